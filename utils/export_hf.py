@@ -1,0 +1,44 @@
+"""Export a pre or lns checkpoint of ours to a stock `transformers.LlamaForCausalLM` directory.
+
+    python utils/export_hf.py --checkpoint runs/tiny-lns/final --out exported/tiny-lns
+
+The result loads with `AutoModelForCausalLM.from_pretrained(OUT)`, no trust_remote_code needed.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from transformers import AutoTokenizer  # noqa: E402
+
+from peft_pretraining.modeling_llama import LlamaForCausalLM, export_to_hf_llama  # noqa: E402
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="an HF directory saved by this repository")
+    parser.add_argument("--out", required=True, help="where to write the stock-HF directory")
+    args = parser.parse_args(argv)
+
+    checkpoint = Path(args.checkpoint)
+    if not (checkpoint / "config.json").is_file():
+        parser.error(f"--checkpoint {checkpoint}: no config.json there")
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        parser.error(f"--out {out}: directory exists and is not empty; refusing to overwrite")
+
+    model = LlamaForCausalLM.from_pretrained(checkpoint)
+    try:
+        hf_model = export_to_hf_llama(model)
+    except ValueError as error:
+        parser.error(f"--checkpoint {checkpoint}: {error}")
+    hf_model.save_pretrained(out)
+    if (checkpoint / "tokenizer_config.json").is_file():
+        AutoTokenizer.from_pretrained(checkpoint).save_pretrained(out)
+    print(f"exported {checkpoint} -> {out} (stock transformers LlamaForCausalLM)")
+
+
+if __name__ == "__main__":
+    main()
