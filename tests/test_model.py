@@ -1,0 +1,237 @@
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import LlamaForCausalLM as HFLlamaForCausalLM
+
+from peft_pretraining.modeling_llama import (
+    INIT_METHODS,
+    NORM_TYPES,
+    LlamaForCausalLM,
+    build_config,
+    export_to_hf_llama,
+    freeze_layer_plan,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "configs" / "llama_tiny.json"
+TINY_DEEP = REPO / "configs" / "llama_tiny_deep.json"
+
+
+def tiny_model(norm_type="pre", post_num=2, init_method="normal", seed=0, **overrides):
+    torch.manual_seed(seed)
+    config = build_config(TINY, norm_type=norm_type, post_num=post_num, init_method=init_method, **overrides)
+    return LlamaForCausalLM(config).eval()
+
+
+def random_tokens(batch=2, length=24, vocab=8192, seed=1):
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("init_method", INIT_METHODS)
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+def test_every_variant_trains(norm_type, init_method):
+    model = tiny_model(norm_type, init_method=init_method).train()
+    tokens = random_tokens()
+    out = model(tokens, labels=tokens, output_hidden_states=True)
+    assert torch.isfinite(out.loss)
+    assert out.logits.shape == (*tokens.shape, model.config.vocab_size)
+    assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+    out.loss.backward()
+    dead = [name for name, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert dead == [], f"parameters without gradient under {norm_type}: {dead}"
+
+
+def test_parameter_names_match_hf():
+    ours = tiny_model("pre")
+    theirs = HFLlamaForCausalLM(LlamaConfig.from_json_file(str(TINY)))
+    assert set(ours.state_dict()) == set(theirs.state_dict())
+
+
+def hf_copy(model, gain_scales=None):
+    """A stock HF Llama with our weights; gain_scales[i] multiplies both norm gains of layer i."""
+    hf = HFLlamaForCausalLM(LlamaConfig.from_json_file(str(TINY))).eval()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for i, scale in enumerate(gain_scales or []):
+        state[f"model.layers.{i}.input_layernorm.weight"] *= scale
+        state[f"model.layers.{i}.post_attention_layernorm.weight"] *= scale
+    hf.load_state_dict(state)
+    return hf
+
+
+def test_pre_matches_hf_llama():
+    model = tiny_model("pre")
+    tokens = random_tokens()
+    torch.testing.assert_close(model(tokens).logits, hf_copy(model)(tokens).logits, rtol=0, atol=1e-5)
+
+
+def test_lns_matches_hf_llama_with_folded_gains():
+    model = tiny_model("lns")
+    tokens = random_tokens()
+    scales = [1 / math.sqrt(depth) for depth in range(1, model.config.num_hidden_layers + 1)]
+    torch.testing.assert_close(model(tokens).logits, hf_copy(model, scales)(tokens).logits, rtol=0, atol=1e-5)
+
+
+def test_lns_differs_from_pre_on_same_weights():
+    pre, lns = tiny_model("pre"), tiny_model("lns")
+    lns.load_state_dict(pre.state_dict())
+    tokens = random_tokens()
+    assert not torch.allclose(pre(tokens).logits, lns(tokens).logits, atol=1e-4)
+
+
+def test_norm_type_is_case_insensitive():
+    model = tiny_model("LNS")
+    assert [layer.placement for layer in model.model.layers] == ["lns"] * 4
+
+
+def reference_forward(model, tokens, post_layers):
+    """Hand-written Mix-LN forward: Post-LN in layers < post_layers, Pre-LN after them."""
+    x = model.model.embed_tokens(tokens)
+    rope = model.model.rotary_emb(tokens.shape[1], x.device, x.dtype)
+    for i, layer in enumerate(model.model.layers):
+        attn = lambda y: layer.self_attn(y, rope, None)  # noqa: E731
+        if i < post_layers:
+            x = layer.input_layernorm(x + attn(x))
+            x = layer.post_attention_layernorm(x + layer.mlp(x))
+        else:
+            x = x + attn(layer.input_layernorm(x))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(model.model.norm(x))
+
+
+@pytest.mark.parametrize("post_num", [0, 1, 3, 4])
+def test_mix_ln_structure(post_num):
+    # A large init std makes every sublayer matter, so a wrong placement in any layer shows in the logits.
+    model = tiny_model("post_pre", post_num=post_num, initializer_range=0.2)
+    tokens = random_tokens()
+    torch.testing.assert_close(model(tokens).logits, reference_forward(model, tokens, post_num), rtol=0, atol=1e-5)
+    other = reference_forward(model, tokens, post_num + 1 if post_num < 4 else post_num - 1)
+    assert not torch.allclose(model(tokens).logits, other, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_layers", [4, 24])
+def test_deepnorm_constants_follow_depth(num_layers):
+    config = build_config(TINY, norm_type="deepnorm", num_hidden_layers=num_layers, hidden_size=128,
+                          intermediate_size=352)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    alpha, beta = (2 * num_layers) ** 0.25, (8 * num_layers) ** -0.25
+    layer = model.model.layers[0]
+    assert layer.attn_residual.alpha == pytest.approx(alpha)
+    assert layer.mlp_residual.alpha == pytest.approx(alpha)
+    std = config.initializer_range
+    for linear in (layer.self_attn.v_proj, layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
+                   layer.mlp.down_proj):
+        assert linear.weight.std().item() == pytest.approx(std * beta, rel=0.1)
+    for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+        assert linear.weight.std().item() == pytest.approx(std, rel=0.1)
+
+
+def test_scaled_init_shrinks_residual_outputs():
+    model = tiny_model("pre", init_method="scaled")
+    layer, std = model.model.layers[0], model.config.initializer_range
+    expected = std / math.sqrt(2 * model.config.num_hidden_layers)
+    assert layer.self_attn.o_proj.weight.std().item() == pytest.approx(expected, rel=0.1)
+    assert layer.mlp.down_proj.weight.std().item() == pytest.approx(expected, rel=0.1)
+    assert layer.self_attn.q_proj.weight.std().item() == pytest.approx(std, rel=0.1)
+
+
+def test_layerscale_starts_at_documented_value():
+    model = tiny_model("layerscale", layerscale_init=0.25)
+    gains = torch.cat([p for n, p in model.named_parameters() if n.endswith("residual.gain")])
+    assert gains.numel() == 2 * 4 * model.config.hidden_size and torch.all(gains == 0.25)
+
+
+def residual_variance_growth(norm_type):
+    """Variance of the residual stream after the last block over that after the first, at std-0.02 init."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(build_config(TINY_DEEP, norm_type=norm_type)).eval()
+    stream = []
+    hooks = [layer.register_forward_hook(lambda m, i, o: stream.append(o.float().var().item()))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        model(random_tokens(batch=4, length=64))
+    for hook in hooks:
+        hook.remove()
+    return stream[-1] / stream[0]
+
+
+def test_variance_grows_faster_under_pre_than_lns():
+    pre_growth, lns_growth = residual_variance_growth("pre"), residual_variance_growth("lns")
+    assert pre_growth > 1 and lns_growth > 1
+    assert pre_growth > 2 * lns_growth, (pre_growth, lns_growth)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(norm_type="prenorm"), "norm_type"),
+        (dict(norm_type="post_pre", post_num=5), "post_num"),
+        (dict(norm_type="post_pre", post_num=-1), "post_num"),
+        (dict(init_method="xavier"), "init_method"),
+    ],
+)
+def test_bad_values_raise(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment) as error:
+        build_config(TINY, **kwargs)
+    bad_value = str(next(iter(v for k, v in kwargs.items() if k in ("post_num", "init_method") or v == "prenorm")))
+    assert bad_value in str(error.value)
+
+
+def test_unknown_norm_type_lists_choices():
+    with pytest.raises(ValueError) as error:
+        build_config(TINY, norm_type="sandwich_xl")
+    assert all(name in str(error.value) for name in NORM_TYPES)
+
+
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+def test_save_and_load_round_trip(norm_type, tmp_path):
+    model = tiny_model(norm_type)
+    model.save_pretrained(tmp_path)
+    tokens = random_tokens()
+    expected = model(tokens).logits
+    ours = LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(ours(tokens).logits, expected, rtol=0, atol=0)
+    auto = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    torch.testing.assert_close(auto(tokens).logits, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+def test_export_to_stock_hf(norm_type, tmp_path):
+    model = tiny_model(norm_type)
+    if norm_type not in ("pre", "lns"):
+        with pytest.raises(ValueError, match="trust_remote_code"):
+            export_to_hf_llama(model)
+        return
+    export_to_hf_llama(model).save_pretrained(tmp_path)
+    assert "auto_map" not in (tmp_path / "config.json").read_text()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is HFLlamaForCausalLM
+    tokens = random_tokens()
+    torch.testing.assert_close(loaded(tokens).logits, model(tokens).logits, rtol=0, atol=1e-5)
+
+
+def test_frozen_plan_keeps_layer_factors_after_removal():
+    model = tiny_model("lns")
+    config = freeze_layer_plan(LlamaConfig.from_dict(model.config.to_dict()))
+    del config.layer_norm_types[1], config.layer_depths[1]
+    config.num_hidden_layers = 3
+    pruned = LlamaForCausalLM(config)
+    assert [layer.attn_residual.scale for layer in pruned.model.layers] == pytest.approx([1.0, 3**-0.5, 4**-0.5])
+
+
+def test_export_cli(tmp_path):
+    model = tiny_model("lns")
+    model.save_pretrained(tmp_path / "ckpt")
+    cmd = [sys.executable, str(REPO / "utils" / "export_hf.py"), "--checkpoint", str(tmp_path / "ckpt"),
+           "--out", str(tmp_path / "hf")]
+    subprocess.run(cmd, check=True, cwd=tmp_path, capture_output=True)
+    tokens = random_tokens()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    torch.testing.assert_close(loaded(tokens).logits, model(tokens).logits, rtol=0, atol=1e-5)
+    again = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
+    assert again.returncode != 0 and "--out" in again.stderr.strip().splitlines()[-1]
