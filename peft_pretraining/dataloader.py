@@ -1,0 +1,604 @@
+"""Data pipeline: the embedded Jane Austen corpus and its tokenizer, local files, and hub datasets (C4).
+
+Training data comes out of `build_train_stream(...)` as an endless, deterministic, rank-sharded, resumable stream
+of micro-batches; evaluation data comes out of `iter_eval_batches(...)` with an exact target-token budget.
+
+Stream order (the same for any num_workers):
+  * a *document source* lists this rank's documents for epoch e (embedded corpus: a permutation of all documents
+    seeded by (seed, e), rank r takes positions r, r + W, r + 2W, ... of it, so the union over ranks is exactly the
+    single-process order; streaming datasets: `shuffle(seed, buffer)` + `set_epoch(e)` + `split_dataset_by_node`);
+  * documents are grouped into chunks of `CHUNK_DOCUMENTS`; DataLoader worker w tokenizes chunks w, w + N, ...,
+    and the DataLoader hands chunks back round-robin, i.e. in their original order;
+  * the main process turns tokens into rows: padding (one document per row, truncated, right-padded) or packing
+    (documents joined with EOS and cut into full windows).
+The stream position is (epoch, document index in this rank's epoch, token offset inside that document); resuming
+rebuilds the source at that position, so the next batch is exactly the one that would have come next.
+
+CLI: `python -m peft_pretraining.dataloader build-embedded --source /path/to/austen` rebuilds data/embedded/* and
+data/tokenizer/ from the raw novels.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import io
+import json
+import logging
+import pathlib
+import re
+import warnings
+import zlib
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED = "embedded"  # the --dataset value meaning the shipped corpus
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+DATA_DIR = REPO_ROOT / "data"
+EMBEDDED_DIR = DATA_DIR / "embedded"
+TOKENIZER_DIR = DATA_DIR / "tokenizer"
+DEFAULT_AUSTEN_SOURCE = REPO_ROOT.parent / "shared" / "data" / "austen"
+
+EMBEDDED_SPLITS = ("train", "validation")
+VALIDATION_NOVEL = "persuasion"  # held out whole, so validation text never overlaps training text
+EMBEDDED_VOCAB_SIZE = 8192
+PAD_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "</s>", "<unk>"  # ids 0, 1, 2 as in t5-base
+SPECIAL_TOKENS = [PAD_TOKEN, EOS_TOKEN, UNK_TOKEN]
+MIN_DOCUMENT_CHARS = 700  # paragraphs of a chapter are grouped until a document has at least this many characters
+
+HUB_DEFAULT_CONFIGS = {"allenai/c4": "en", "c4": "en"}
+LOCAL_EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json"}
+LOCAL_VALIDATION_EVERY = 20  # without a "val" file, documents whose crc32(text) % 20 == 0 are the validation split
+SHUFFLE_BUFFER = 10_000
+CHUNK_DOCUMENTS = 32
+IGNORE_INDEX = -100
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Embedded corpus: building from the raw novels
+# ----------------------------------------------------------------------------------------------------------------
+_GUTENBERG_START = re.compile(r"^\*\*\*\s*START OF (THE|THIS) PROJECT GUTENBERG.*$", re.IGNORECASE | re.MULTILINE)
+_GUTENBERG_END = re.compile(r"^\*\*\*\s*END OF (THE|THIS) PROJECT GUTENBERG.*$", re.IGNORECASE | re.MULTILINE)
+_HEADING = re.compile(r"^(chapter|volume)\s+[\divxlc]+\.?$", re.IGNORECASE)
+
+
+def strip_gutenberg_boilerplate(text: str) -> str:
+    """Keep only the text between Project Gutenberg START/END markers when they are present."""
+    start = _GUTENBERG_START.search(text)
+    if start:
+        text = text[start.end():]
+    end = _GUTENBERG_END.search(text)
+    if end:
+        text = text[: end.start()]
+    return text
+
+
+def split_novel_into_documents(text: str, min_chars: int = MIN_DOCUMENT_CHARS) -> list[str]:
+    """Unwrap paragraphs and group consecutive paragraphs of one chapter into documents of >= min_chars.
+
+    Chapter/volume headings close the current document and are dropped, so no document spans two chapters;
+    the last document of a chapter may be shorter than min_chars (that variety is what padding has to handle).
+    """
+    text = strip_gutenberg_boilerplate(text.replace("\r\n", "\n"))
+    documents, current = [], []
+
+    def close():
+        if current:
+            documents.append("\n".join(current))
+            current.clear()
+
+    for block in re.split(r"\n\s*\n", text):
+        paragraph = " ".join(line.strip() for line in block.strip().splitlines())
+        paragraph = re.sub(r" {2,}", " ", paragraph)
+        if not paragraph:
+            continue
+        if _HEADING.match(paragraph):
+            close()
+            continue
+        current.append(paragraph)
+        if sum(len(p) for p in current) >= min_chars:
+            close()
+    close()
+    return documents
+
+
+def _write_jsonl_gz(path: pathlib.Path, records: Iterable[dict]) -> None:
+    """Byte-reproducible gzip (mtime 0, no file name in the header)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz:
+        with io.TextIOWrapper(gz, encoding="utf-8", newline="\n") as out:
+            for record in records:
+                out.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def read_jsonl_texts(path: pathlib.Path) -> list[str]:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line)["text"] for line in f if line.strip()]
+
+
+def build_embedded_corpus(source: str | pathlib.Path, out_dir: str | pathlib.Path = EMBEDDED_DIR,
+                          tokenizer_dir: str | pathlib.Path | None = TOKENIZER_DIR) -> dict:
+    """Write out_dir/{train,validation}.jsonl.gz from the six *.txt.gz novels and train the tokenizer on train."""
+    source, out_dir = pathlib.Path(source), pathlib.Path(out_dir)
+    novels = sorted(source.glob("*.txt.gz"))
+    if not novels:
+        raise ValueError(f"--source {source}: no *.txt.gz novels found")
+    names = [p.name[: -len(".txt.gz")] for p in novels]
+    if VALIDATION_NOVEL not in names:
+        raise ValueError(f"--source {source}: the validation novel {VALIDATION_NOVEL}.txt.gz is missing")
+    splits: dict[str, list[dict]] = {"train": [], "validation": []}
+    for name, path in zip(names, novels):
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            documents = split_novel_into_documents(f.read())
+        split = "validation" if name == VALIDATION_NOVEL else "train"
+        splits[split].extend({"text": doc, "source": name} for doc in documents)
+    for split, records in splits.items():
+        _write_jsonl_gz(out_dir / f"{split}.jsonl.gz", records)
+    summary = {split: {"documents": len(r), "characters": sum(len(x["text"]) for x in r)} for split, r in splits.items()}
+    if tokenizer_dir is not None:
+        train_tokenizer([r["text"] for r in splits["train"]], tokenizer_dir)
+    return summary
+
+
+def train_tokenizer(texts: list[str], out_dir: str | pathlib.Path, vocab_size: int = EMBEDDED_VOCAB_SIZE):
+    """Byte-level BPE (lossless round trip, no unknown characters), saved as a PreTrainedTokenizerFast directory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(texts, trainer=trainer)
+    if backend.get_vocab_size() != vocab_size:
+        raise ValueError(f"tokenizer training produced {backend.get_vocab_size()} ids, expected {vocab_size}")
+    eos_id = backend.token_to_id(EOS_TOKEN)
+    # Mirror t5-base: encoding with special tokens appends </s>.
+    backend.post_processor = processors.TemplateProcessing(single=f"$A {EOS_TOKEN}", pair=f"$A {EOS_TOKEN} $B {EOS_TOKEN}",
+                                                           special_tokens=[(EOS_TOKEN, eos_id)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN,
+                                        unk_token=UNK_TOKEN, model_max_length=1024)
+    tokenizer.save_pretrained(str(out_dir))
+    return tokenizer
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tokenizer
+# ----------------------------------------------------------------------------------------------------------------
+def embedded_split_path(split: str) -> pathlib.Path:
+    if split not in EMBEDDED_SPLITS:
+        raise ValueError(f"unknown split {split!r} for the embedded corpus (expected one of {EMBEDDED_SPLITS})")
+    return EMBEDDED_DIR / f"{split}.jsonl.gz"
+
+
+def load_tokenizer(name_or_path: str):
+    """'embedded' -> data/tokenizer (rebuilt from the shipped train split if missing); else AutoTokenizer."""
+    from transformers import AutoTokenizer
+
+    if name_or_path == EMBEDDED:
+        if not (TOKENIZER_DIR / "tokenizer.json").exists():
+            logger.warning("data/tokenizer is missing: training it on %s", embedded_split_path("train"))
+            train_tokenizer(read_jsonl_texts(embedded_split_path("train")), TOKENIZER_DIR)
+        tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        except OSError as error:
+            raise ValueError(f"--tokenizer {name_or_path!r} could not be loaded ({error}); use --tokenizer embedded "
+                             "offline") from error
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"--tokenizer {name_or_path!r} has neither a pad nor an EOS token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def check_vocab_covers_tokenizer(vocab_size: int, tokenizer) -> None:
+    if len(tokenizer) > vocab_size:
+        raise ValueError(f"the model vocab_size {vocab_size} is smaller than the tokenizer "
+                         f"{getattr(tokenizer, 'name_or_path', '')!r} with {len(tokenizer)} ids; ids >= {vocab_size} "
+                         "would index past the embedding (resize the vocabulary or pick a matching tokenizer)")
+
+
+def count_target_tokens(labels) -> int:
+    """Positions the loss is computed on: the model predicts labels[:, t + 1] from position t."""
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Document sources
+# ----------------------------------------------------------------------------------------------------------------
+class EmbeddedSource:
+    """In-memory documents; epoch e is a permutation seeded by (seed, e), rank r takes every W-th position."""
+
+    def __init__(self, texts: list[str], *, seed: int, rank: int, world_size: int, shuffle: bool = True):
+        self.texts, self.seed, self.rank, self.world_size, self.shuffle = texts, seed, rank, world_size, shuffle
+
+    def iter_epoch(self, epoch: int, start: int = 0) -> Iterator[str]:
+        order = np.arange(len(self.texts))
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(self.texts))
+        for index in order[self.rank:: self.world_size][start:]:
+            yield self.texts[index]
+
+
+class StreamingSource:
+    """A `datasets` streaming split (local files or hub); documents are read, never fully pre-tokenized."""
+
+    def __init__(self, dataset, *, seed: int, rank: int, world_size: int, shuffle: bool = True,
+                 buffer_size: int = SHUFFLE_BUFFER, text_field: str = "text"):
+        self.dataset, self.seed, self.rank, self.world_size = dataset, seed, rank, world_size
+        self.shuffle, self.buffer_size, self.text_field = shuffle, buffer_size, text_field
+
+    def iter_epoch(self, epoch: int, start: int = 0) -> Iterator[str]:
+        from datasets.distributed import split_dataset_by_node
+
+        dataset = self.dataset
+        if self.shuffle:
+            dataset = dataset.shuffle(seed=self.seed, buffer_size=self.buffer_size)
+            dataset.set_epoch(epoch)  # reshuffles shards and buffer with seed + epoch
+        if self.world_size > 1:
+            dataset = split_dataset_by_node(dataset, rank=self.rank, world_size=self.world_size)
+        # .iter() (unlike __iter__) does not re-shard by DataLoader worker: every worker must see the same order.
+        position = 0
+        for batch in dataset.iter(batch_size=256):
+            for text in batch[self.text_field]:
+                if position >= start:
+                    yield text
+                position += 1
+
+
+def _local_files(path: pathlib.Path) -> list[pathlib.Path]:
+    def kind(p: pathlib.Path) -> str | None:
+        suffixes = [s for s in p.suffixes if s != ".gz"]
+        return LOCAL_EXTENSIONS.get(suffixes[-1]) if suffixes else None
+
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and kind(p))
+    return files
+
+
+def _local_builder(files: list[pathlib.Path], dataset_path: str) -> str:
+    kinds = {LOCAL_EXTENSIONS.get([s for s in f.suffixes if s != ".gz"][-1]) if f.suffixes else None for f in files}
+    if None in kinds or len(kinds) != 1:
+        raise ValueError(f"--dataset_path {dataset_path}: expected only .txt or only .json/.jsonl files (optionally "
+                         f".gz), found {sorted(f.name for f in files)[:5]}")
+    return kinds.pop()
+
+
+def _is_validation_name(name: str) -> bool:
+    return "val" in name.lower()
+
+
+def resolve_local_splits(dataset_path: str) -> tuple[list[pathlib.Path], list[pathlib.Path] | None]:
+    """(train files, validation files or None = hold out crc32(text) % LOCAL_VALIDATION_EVERY == 0).
+
+    Validation files are, in order of preference: files under dataset_path whose relative path contains "val";
+    a sibling file/folder of dataset_path whose name contains "val".
+    """
+    path = pathlib.Path(dataset_path)
+    if not path.exists():
+        raise ValueError(f"--dataset_path {dataset_path}: no such file or directory")
+    files = _local_files(path)
+    if not files:
+        raise ValueError(f"--dataset_path {dataset_path}: no .txt/.json/.jsonl files found")
+    if path.is_dir():
+        val = [f for f in files if _is_validation_name(str(f.relative_to(path)))]
+        train = [f for f in files if f not in val]
+        if val and train:
+            return train, val
+    siblings = sorted(p for p in path.parent.iterdir() if p != path and _is_validation_name(p.name)
+                      and (p.is_dir() or p.suffixes[-1:] in ([".gz"], *([s] for s in LOCAL_EXTENSIONS))))
+    val = [f for s in siblings for f in _local_files(s)]
+    return files, (val or None)
+
+
+def _open_local_split(dataset_path: str, split: str):
+    import datasets
+
+    train_files, val_files = resolve_local_splits(dataset_path)
+    files = train_files if split == "train" or val_files is None else val_files
+    builder = _local_builder(files, dataset_path)
+    kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
+    dataset = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True, **kwargs)
+    if val_files is None:
+        keep_validation = split != "train"
+        dataset = dataset.filter(lambda ex: (zlib.crc32(ex["text"].encode("utf-8")) % LOCAL_VALIDATION_EVERY == 0)
+                                 == keep_validation)
+    return dataset.select_columns(["text"])
+
+
+def _open_hub_split(dataset: str, config: str | None, split: str):
+    import datasets
+
+    config = config if config is not None else HUB_DEFAULT_CONFIGS.get(dataset)
+    try:
+        stream = datasets.load_dataset(dataset, config, split=split, streaming=True)
+    except Exception as error:  # offline, unknown name, missing split: all surface as one clear message
+        raise ValueError(f"--dataset {dataset!r} (config {config!r}, split {split!r}) could not be opened: {error}. "
+                         "Offline, use --dataset embedded or --dataset_path") from error
+    return stream.select_columns(["text"])
+
+
+def _make_source(*, dataset: str, dataset_path: str | None, split: str, seed: int, rank: int, world_size: int,
+                 shuffle: bool, dataset_config: str | None = None, buffer_size: int = SHUFFLE_BUFFER):
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"invalid rank {rank} for world_size {world_size}")
+    if dataset_path is not None:
+        stream = _open_local_split(dataset_path, split)
+        return StreamingSource(stream, seed=seed, rank=rank, world_size=world_size, shuffle=shuffle,
+                               buffer_size=buffer_size)
+    if dataset == EMBEDDED:
+        texts = read_jsonl_texts(embedded_split_path(split))
+        return EmbeddedSource(texts, seed=seed, rank=rank, world_size=world_size, shuffle=shuffle)
+    stream = _open_hub_split(dataset, dataset_config, split)
+    return StreamingSource(stream, seed=seed, rank=rank, world_size=world_size, shuffle=shuffle, buffer_size=buffer_size)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tokenization (optionally in DataLoader workers) and batching
+# ----------------------------------------------------------------------------------------------------------------
+def _tokenize_documents(tokenizer, texts: list[str], max_length: int, packing: bool) -> list[np.ndarray]:
+    """Each document -> its ids followed by EOS; with padding, truncated so that ids + EOS fit in max_length."""
+    eos = tokenizer.eos_token_id
+    if packing:
+        encoded = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+    else:
+        encoded = tokenizer(texts, add_special_tokens=False, truncation=True, max_length=max_length - 1,
+                            verbose=False)["input_ids"]
+    return [np.asarray(ids + [eos], dtype=np.int64) for ids in encoded]
+
+
+class _TokenizedChunks(torch.utils.data.IterableDataset):
+    """Endless (epoch, first document index, token arrays) chunks from a position onwards.
+
+    Worker w of N tokenizes chunks w, w + N, ...; the DataLoader returns workers' items round-robin, so the chunk
+    order is the same for every num_workers. Every worker reads the documents it skips (cheap next to tokenizing).
+    """
+
+    def __init__(self, source, tokenizer, *, max_length: int, packing: bool, epoch: int, document: int):
+        self.source, self.tokenizer, self.max_length, self.packing = source, tokenizer, max_length, packing
+        self.epoch, self.document = epoch, document
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        epoch, start, chunk_id = self.epoch, self.document, 0
+        while True:
+            texts, first, seen = [], start, 0
+            for seen, text in enumerate(self.source.iter_epoch(epoch, start), start=1):
+                texts.append(text)
+                if len(texts) == CHUNK_DOCUMENTS:
+                    yield from self._emit(chunk_id, worker, num_workers, epoch, first, texts)
+                    chunk_id, first, texts = chunk_id + 1, first + len(texts), []
+            if texts:
+                yield from self._emit(chunk_id, worker, num_workers, epoch, first, texts)
+                chunk_id += 1
+            if seen == 0 and start == 0:
+                raise ValueError(f"rank {self.source.rank} of world_size {self.source.world_size} has no documents "
+                                 "in its shard of the training split")
+            epoch, start = epoch + 1, 0
+
+    def _emit(self, chunk_id, worker, num_workers, epoch, first, texts):
+        if chunk_id % num_workers == worker:
+            yield epoch, first, _tokenize_documents(self.tokenizer, texts, self.max_length, self.packing)
+
+
+def _keep_as_is(item):
+    return item
+
+
+def _rows_to_batch(rows: list[np.ndarray], max_length: int, pad_id: int) -> dict:
+    input_ids = np.full((len(rows), max_length), pad_id, dtype=np.int64)
+    attention_mask = np.zeros((len(rows), max_length), dtype=np.int64)
+    for i, row in enumerate(rows):
+        input_ids[i, : len(row)] = row
+        attention_mask[i, : len(row)] = 1
+    input_ids, attention_mask = torch.from_numpy(input_ids), torch.from_numpy(attention_mask)
+    labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+
+
+class TrainStream:
+    """Endless micro-batches for one rank; `state_dict()` / `load_state_dict()` resume exactly."""
+
+    def __init__(self, source, tokenizer, *, max_length: int, packing: bool, batch_size: int, num_workers: int = 0,
+                 description: dict | None = None):
+        if max_length < 2:
+            raise ValueError(f"--max_length must be >= 2, got {max_length}")
+        if batch_size < 1:
+            raise ValueError(f"--batch_size must be >= 1, got {batch_size}")
+        if num_workers < 0:
+            raise ValueError(f"--num_workers must be >= 0, got {num_workers}")
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no EOS token")
+        self.source, self.tokenizer = source, tokenizer
+        self.max_length, self.packing, self.batch_size, self.num_workers = max_length, packing, batch_size, num_workers
+        self.description = dict(description or {})
+        self.position = {"epoch": 0, "document": 0, "token_offset": 0}
+        self.batches_yielded = 0
+        self._batches = None
+
+    # --- iteration -------------------------------------------------------------------------------------------
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if self._batches is None:
+            self._batches = self._generate()
+        batch, position = next(self._batches)
+        self.position = position
+        self.batches_yielded += 1
+        return batch
+
+    def _documents(self):
+        """(epoch, index, tokens) from the current position, tokenized in the main process or in workers."""
+        chunks = _TokenizedChunks(self.source, self.tokenizer, max_length=self.max_length, packing=self.packing,
+                                  epoch=self.position["epoch"], document=self.position["document"])
+        if self.num_workers > 0:
+            chunks = torch.utils.data.DataLoader(chunks, batch_size=None, num_workers=self.num_workers,
+                                                 collate_fn=_keep_as_is)
+        for epoch, first, arrays in chunks:
+            for offset, tokens in enumerate(arrays):
+                yield epoch, first + offset, tokens
+
+    def _generate(self):
+        T, B = self.max_length, self.batch_size
+        documents = self._documents()
+        if not self.packing:
+            while True:
+                rows, position = [], None
+                for epoch, index, tokens in documents:
+                    rows.append(tokens)
+                    position = {"epoch": epoch, "document": index + 1, "token_offset": 0}
+                    if len(rows) == B:
+                        break
+                yield _rows_to_batch(rows, T, self.tokenizer.pad_token_id), position
+        skip = self.position["token_offset"]  # tokens of the first document already used before a resume
+        buffer = np.empty(B * T, dtype=np.int64)
+        current = None  # (epoch, index, tokens, next offset)
+        while True:
+            filled = 0
+            while filled < B * T:
+                if current is None or current[3] == len(current[2]):
+                    epoch, index, tokens = next(documents)
+                    current = (epoch, index, tokens, skip)
+                    skip = 0
+                epoch, index, tokens, offset = current
+                take = min(B * T - filled, len(tokens) - offset)
+                buffer[filled: filled + take] = tokens[offset: offset + take]
+                filled += take
+                current = (epoch, index, tokens, offset + take)
+            epoch, index, tokens, offset = current
+            position = ({"epoch": epoch, "document": index + 1, "token_offset": 0} if offset == len(tokens)
+                        else {"epoch": epoch, "document": index, "token_offset": offset})
+            input_ids = torch.from_numpy(buffer.reshape(B, T).copy())
+            yield {"input_ids": input_ids, "labels": input_ids.clone(),
+                   "attention_mask": torch.ones_like(input_ids)}, position
+
+    def close(self) -> None:
+        """Stop DataLoader workers (they also stop when the stream is garbage-collected)."""
+        if self._batches is not None:
+            self._batches.close()
+            self._batches = None
+
+    # --- resume ----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {**self.position, "batches_yielded": self.batches_yielded, **self.description}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in self.description.items():
+            if key in state and state[key] != value:
+                raise ValueError(f"cannot resume the data stream: it was saved with {key}={state[key]!r}, "
+                                 f"now {key}={value!r}")
+        self.close()
+        self.position = {key: int(state[key]) for key in ("epoch", "document", "token_offset")}
+        self.batches_yielded = int(state.get("batches_yielded", 0))
+
+
+def build_train_stream(*, dataset: str, dataset_path: str | None, tokenizer, max_length: int, packing: bool,
+                       batch_size: int, seed: int, rank: int, world_size: int, num_workers: int = 0,
+                       dataset_config: str | None = None, shuffle_buffer: int = SHUFFLE_BUFFER) -> TrainStream:
+    source = _make_source(dataset=dataset, dataset_path=dataset_path, split="train", seed=seed, rank=rank,
+                          world_size=world_size, shuffle=True, dataset_config=dataset_config, buffer_size=shuffle_buffer)
+    description = {"dataset": dataset if dataset_path is None else f"path:{dataset_path}", "seed": seed, "rank": rank,
+                   "world_size": world_size, "max_length": max_length, "packing": packing}
+    return TrainStream(source, tokenizer, max_length=max_length, packing=packing, batch_size=batch_size,
+                       num_workers=num_workers, description=description)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Evaluation batches
+# ----------------------------------------------------------------------------------------------------------------
+def _eval_rows(source, tokenizer, max_length: int, packing: bool) -> Iterator[np.ndarray]:
+    """Validation rows in file order: one truncated document per row, or EOS-joined windows (last one partial)."""
+    texts = source.iter_epoch(0)
+    pending = np.empty(0, dtype=np.int64)
+    while True:
+        chunk = [text for _, text in zip(range(CHUNK_DOCUMENTS), texts)]
+        if not chunk:
+            break
+        arrays = _tokenize_documents(tokenizer, chunk, max_length, packing)
+        if not packing:
+            yield from arrays
+            continue
+        pending = np.concatenate([pending, *arrays])
+        while len(pending) >= max_length:
+            yield pending[:max_length]
+            pending = pending[max_length:]
+    if packing and len(pending) > 1:
+        yield pending
+
+
+def iter_eval_batches(*, dataset: str, dataset_path: str | None, tokenizer, max_length: int, packing: bool,
+                      batch_size: int, eval_tokens: int, rank: int, world_size: int,
+                      dataset_config: str | None = None) -> Iterator[dict]:
+    """Validation batches for this rank until exactly its share of eval_tokens target tokens has been yielded.
+
+    Rank r's share is eval_tokens // world_size, plus one if r < eval_tokens % world_size. The last batch is trimmed
+    by setting the surplus labels (the last ones in row-major order) to -100. If the rank's shard runs out first,
+    everything is yielded and a warning says so (the caller reports the real count).
+    """
+    if eval_tokens < 0:
+        raise ValueError(f"--eval_tokens must be >= 0, got {eval_tokens}")
+    if batch_size < 1 or max_length < 2:
+        raise ValueError(f"invalid eval batch_size={batch_size} / max_length={max_length}")
+    share = eval_tokens // world_size + (1 if rank < eval_tokens % world_size else 0)
+    source = _make_source(dataset=dataset, dataset_path=dataset_path, split="validation", seed=0, rank=rank,
+                          world_size=world_size, shuffle=False, dataset_config=dataset_config)
+    rows = _eval_rows(source, tokenizer, max_length, packing)
+    yielded = 0
+    while yielded < share:
+        batch_rows = [row for _, row in zip(range(batch_size), rows)]
+        if not batch_rows:
+            warnings.warn(f"the validation split gives rank {rank} only {yielded} target tokens, fewer than its share "
+                          f"{share} of --eval_tokens {eval_tokens}", stacklevel=2)
+            return
+        batch = _rows_to_batch(batch_rows, max_length, tokenizer.pad_token_id)
+        targets = count_target_tokens(batch["labels"])
+        if yielded + targets > share:
+            _trim_targets(batch, targets - (share - yielded))
+            targets = share - yielded
+        yielded += targets
+        yield batch
+
+
+def _trim_targets(batch: dict, surplus: int) -> None:
+    """Set the last `surplus` target labels (row-major, positions >= 1) to -100, then drop rows left without any."""
+    target = batch["labels"][:, 1:] != IGNORE_INDEX
+    flat = target.flatten().nonzero().squeeze(1)
+    drop = flat[len(flat) - surplus:]
+    rows, cols = drop // target.shape[1], drop % target.shape[1] + 1
+    batch["labels"][rows, cols] = IGNORE_INDEX
+    keep = (batch["labels"][:, 1:] != IGNORE_INDEX).any(dim=1)
+    keep[0] = True
+    for key in batch:
+        batch[key] = batch[key][keep]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m peft_pretraining.dataloader", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    build = commands.add_parser("build-embedded", help="rebuild data/embedded/* and data/tokenizer/ from the novels")
+    build.add_argument("--source", default=str(DEFAULT_AUSTEN_SOURCE), help="folder with the six *.txt.gz novels")
+    build.add_argument("--out_dir", default=str(EMBEDDED_DIR))
+    build.add_argument("--tokenizer_dir", default=str(TOKENIZER_DIR))
+    args = parser.parse_args(argv)
+    if not pathlib.Path(args.source).is_dir():
+        parser.error(f"--source {args.source}: not a directory")
+    try:
+        summary = build_embedded_corpus(args.source, args.out_dir, args.tokenizer_dir)
+    except ValueError as error:
+        parser.error(str(error))
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
