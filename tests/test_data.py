@@ -1,0 +1,315 @@
+"""Data pipeline: embedded corpus + tokenizer, padding/packing, determinism, sharding, exact resume, eval budget."""
+import gzip
+import json
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+
+from peft_pretraining import dataloader as data
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+AUSTEN = REPO.parent / "shared" / "data" / "austen"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return data.load_tokenizer(data.EMBEDDED)
+
+
+def stream(tokenizer, **overrides):
+    kwargs = dict(dataset=data.EMBEDDED, dataset_path=None, tokenizer=tokenizer, max_length=64, packing=False,
+                  batch_size=8, seed=0, rank=0, world_size=1, num_workers=0)
+    kwargs.update(overrides)
+    return data.build_train_stream(**kwargs)
+
+
+def take(train_stream, n):
+    batches = [next(train_stream) for _ in range(n)]
+    train_stream.close()
+    return batches
+
+
+def assert_same_batches(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for key in x:
+            assert torch.equal(x[key], y[key]), key
+
+
+def write_jsonl(path, texts):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+
+
+def sentences(n, prefix):
+    # Lengths vary so that padding and packing differ; every document is distinct.
+    return [f"{prefix} document {i}. " + " ".join(f"word{i}x{j}" for j in range(3 + (i * 7) % 23)) for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------------------------
+def test_embedded_tokenizer_ids_and_round_trip(tokenizer):
+    from transformers import AutoTokenizer
+
+    assert len(tokenizer) == data.EMBEDDED_VOCAB_SIZE
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (0, 1, 2)
+    assert (tokenizer.pad_token, tokenizer.eos_token) == ("<pad>", "</s>")
+    text = 'It is a truth universally acknowledged -- "Mr. Darcy!" said she; café, naïve, 1813.\nNew line.'
+    ids = tokenizer(text)["input_ids"]
+    assert ids[-1] == tokenizer.eos_token_id  # like t5-base, special tokens mean a trailing </s>
+    assert tokenizer.decode(ids, skip_special_tokens=True) == text
+    held_out = " ".join(data.read_jsonl_texts(data.embedded_split_path("validation"))[:50])
+    assert len(held_out) / len(tokenizer(held_out)["input_ids"]) > 3  # a real subword vocabulary, not characters
+    direct = AutoTokenizer.from_pretrained(str(data.TOKENIZER_DIR))
+    assert direct.pad_token == "<pad>" and direct.eos_token == "</s>"
+
+
+def test_tokenizer_is_rebuilt_when_missing(tmp_path, monkeypatch, tokenizer):
+    monkeypatch.setattr(data, "TOKENIZER_DIR", tmp_path / "tokenizer")
+    rebuilt = data.load_tokenizer(data.EMBEDDED)
+    assert (tmp_path / "tokenizer" / "tokenizer.json").exists()
+    assert rebuilt.get_vocab() == tokenizer.get_vocab()
+
+
+def test_vocab_check_and_split_names(tokenizer):
+    data.check_vocab_covers_tokenizer(data.EMBEDDED_VOCAB_SIZE, tokenizer)
+    with pytest.raises(ValueError, match="8000"):
+        data.check_vocab_covers_tokenizer(8000, tokenizer)
+    assert data.embedded_split_path("validation").exists() and data.embedded_split_path("train").exists()
+    with pytest.raises(ValueError, match="'test'"):
+        data.embedded_split_path("test")
+
+
+def test_validation_novel_is_held_out():
+    def sources(split):
+        with gzip.open(data.embedded_split_path(split), "rt", encoding="utf-8") as f:
+            return {json.loads(line)["source"] for line in f}
+
+    assert sources("validation") == {data.VALIDATION_NOVEL}
+    assert len(sources("train")) == 5 and data.VALIDATION_NOVEL not in sources("train")
+    train = set(data.read_jsonl_texts(data.embedded_split_path("train")))
+    assert not train & set(data.read_jsonl_texts(data.embedded_split_path("validation")))
+
+
+def test_gutenberg_boilerplate_and_headings_are_stripped():
+    raw = ("The Project Gutenberg EBook of X\n\n*** START OF THIS PROJECT GUTENBERG EBOOK X ***\n\nCHAPTER I\n\n"
+           "First paragraph\nwrapped here.\n\nSecond one.\n\nChapter 2\n\nThird.\n\n"
+           "*** END OF THIS PROJECT GUTENBERG EBOOK X ***\n\nLicence text.")
+    assert data.split_novel_into_documents(raw, min_chars=40) == ["First paragraph wrapped here.\nSecond one.", "Third."]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Padding vs packing
+# ---------------------------------------------------------------------------------------------------------------
+def test_padding_batches(tokenizer):
+    batches = take(stream(tokenizer, max_length=64, batch_size=8), 5)
+    for batch in batches:
+        ids, labels, mask = batch["input_ids"], batch["labels"], batch["attention_mask"]
+        assert ids.shape == labels.shape == mask.shape == (8, 64) and ids.dtype == torch.long
+        assert torch.equal(labels == -100, mask == 0)
+        assert torch.equal(labels[mask == 1], ids[mask == 1])
+        assert (ids[mask == 0] == tokenizer.pad_token_id).all()
+        lengths = mask.sum(1)
+        assert (mask == (torch.arange(64) < lengths[:, None]).long()).all()  # right padding
+        assert (ids[torch.arange(8), lengths - 1] == tokenizer.eos_token_id).all()  # each document ends with EOS
+
+
+def test_packing_batches_are_full_eos_joined_documents(tokenizer):
+    train_stream = stream(tokenizer, max_length=64, batch_size=8, packing=True)
+    batches = take(train_stream, 3)
+    for batch in batches:
+        assert batch["input_ids"].shape == (8, 64)
+        assert (batch["attention_mask"] == 1).all() and torch.equal(batch["labels"], batch["input_ids"])
+        assert (batch["input_ids"] != tokenizer.pad_token_id).all()
+    flat = torch.cat([b["input_ids"].flatten() for b in batches]).numpy()
+    assert (flat == tokenizer.eos_token_id).sum() >= 2
+    # The packed stream is exactly the epoch-0 documents, each followed by EOS, cut into windows.
+    expected = []
+    for text in train_stream.source.iter_epoch(0):
+        expected.extend(tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+        if len(expected) >= len(flat):
+            break
+    assert np.array_equal(flat, np.asarray(expected[: len(flat)]))
+
+
+def test_useful_token_fraction(tokenizer):
+    def useful_fraction(packing):
+        batches = take(stream(tokenizer, max_length=256, batch_size=16, packing=packing), 4)
+        return sum(int(b["attention_mask"].sum()) for b in batches) / sum(b["input_ids"].numel() for b in batches)
+
+    assert 0 < useful_fraction(packing=False) < 1
+    assert useful_fraction(packing=True) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Determinism, sharding, workers, resume
+# ---------------------------------------------------------------------------------------------------------------
+def test_same_seed_same_batches_other_seed_differs(tokenizer):
+    first = take(stream(tokenizer, seed=3), 3)
+    assert_same_batches(first, take(stream(tokenizer, seed=3), 3))
+    other = take(stream(tokenizer, seed=4), 3)
+    assert not torch.equal(first[0]["input_ids"], other[0]["input_ids"])
+
+
+def test_ranks_are_disjoint_and_interleave_to_single_process(tokenizer):
+    single = take(stream(tokenizer, batch_size=4), 2)
+    rank0 = take(stream(tokenizer, batch_size=4, rank=0, world_size=2), 1)[0]["input_ids"]
+    rank1 = take(stream(tokenizer, batch_size=4, rank=1, world_size=2), 1)[0]["input_ids"]
+    assert not torch.equal(rank0, rank1)
+    interleaved = torch.stack([row for pair in zip(rank0, rank1) for row in pair])
+    assert torch.equal(interleaved, torch.cat([b["input_ids"] for b in single]))
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_workers_do_not_change_the_stream(tokenizer, packing):
+    assert_same_batches(take(stream(tokenizer, packing=packing), 6),
+                        take(stream(tokenizer, packing=packing, num_workers=2), 6))
+
+
+@pytest.mark.parametrize("packing,num_workers", [(False, 0), (True, 0), (False, 2), (True, 2)])
+def test_exact_resume_across_epochs(tmp_path, tokenizer, packing, num_workers):
+    # A 12-document corpus, so that 12 batches cross at least one epoch boundary.
+    write_jsonl(tmp_path / "corpus" / "train.jsonl", sentences(12, "train"))
+    kwargs = dict(dataset="local", dataset_path=str(tmp_path / "corpus"), packing=packing, batch_size=4,
+                  max_length=32, num_workers=num_workers, seed=7)
+    uninterrupted = take(stream(tokenizer, **kwargs), 12)
+    first = stream(tokenizer, **kwargs)
+    take(first, 5)
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = stream(tokenizer, **kwargs)
+    resumed.load_state_dict(state)
+    assert_same_batches(take(resumed, 7), uninterrupted[5:])
+    assert resumed.state_dict()["epoch"] >= 1
+
+
+def test_embedded_resume_mid_document(tokenizer):
+    kwargs = dict(packing=True, max_length=48, batch_size=3)
+    uninterrupted = take(stream(tokenizer, **kwargs), 6)
+    first = stream(tokenizer, **kwargs)
+    take(first, 4)
+    state = first.state_dict()
+    assert state["token_offset"] > 0 or state["document"] > 0
+    resumed = stream(tokenizer, **kwargs)
+    resumed.load_state_dict(state)
+    assert_same_batches(take(resumed, 2), uninterrupted[4:])
+    with pytest.raises(ValueError, match="seed"):
+        stream(tokenizer, seed=1, **kwargs).load_state_dict(state)
+
+
+def test_epochs_are_reshuffled(tmp_path, tokenizer):
+    write_jsonl(tmp_path / "corpus" / "train.jsonl", sentences(16, "train"))
+    batches = take(stream(tokenizer, dataset="local", dataset_path=str(tmp_path / "corpus"), batch_size=16), 2)
+    epoch0, epoch1 = (b["input_ids"] for b in batches)
+    assert not torch.equal(epoch0, epoch1)
+    as_set = lambda t: sorted(map(tuple, t.tolist()))  # noqa: E731
+    assert as_set(epoch0) == as_set(epoch1)  # same documents, new order
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Evaluation budget
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_eval_yields_exactly_eval_tokens(tokenizer, packing, world_size):
+    eval_tokens = 1001  # odd, and not a multiple of any batch's target count: the last batch must be trimmed
+    per_rank = []
+    for rank in range(world_size):
+        batches = list(data.iter_eval_batches(dataset=data.EMBEDDED, dataset_path=None, tokenizer=tokenizer,
+                                              max_length=64, packing=packing, batch_size=8, eval_tokens=eval_tokens,
+                                              rank=rank, world_size=world_size))
+        assert all(b["input_ids"].shape[1] == 64 for b in batches)
+        per_rank.append(sum(data.count_target_tokens(b["labels"]) for b in batches))
+    assert sum(per_rank) == eval_tokens
+    assert per_rank == [eval_tokens // world_size + (r < eval_tokens % world_size) for r in range(world_size)]
+
+
+def test_eval_short_split_yields_everything_and_warns(tmp_path, tokenizer):
+    texts = sentences(12, "val")
+    write_jsonl(tmp_path / "corpus" / "train.jsonl", sentences(5, "train"))
+    write_jsonl(tmp_path / "corpus" / "validation.jsonl", texts)
+    everything = sum(min(len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 1, 32) - 1 for t in texts)
+    with pytest.warns(UserWarning, match="eval_tokens"):
+        batches = list(data.iter_eval_batches(dataset="local", dataset_path=str(tmp_path / "corpus"),
+                                              tokenizer=tokenizer, max_length=32, packing=False, batch_size=5,
+                                              eval_tokens=10 ** 6, rank=0, world_size=1))
+    assert sum(data.count_target_tokens(b["labels"]) for b in batches) == everything
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Local files and the hub code path
+# ---------------------------------------------------------------------------------------------------------------
+def decoded_documents(tokenizer, batches):
+    return {tokenizer.decode(row[mask == 1], skip_special_tokens=True)
+            for b in batches for row, mask in zip(b["input_ids"], b["attention_mask"])}
+
+
+def test_local_jsonl_folder_with_validation_file(tmp_path, tokenizer):
+    write_jsonl(tmp_path / "corpus" / "part-0.jsonl", sentences(10, "train"))
+    write_jsonl(tmp_path / "corpus" / "my_val.jsonl", sentences(6, "val"))
+    train = decoded_documents(tokenizer, take(stream(tokenizer, dataset="local", dataset_path=str(tmp_path / "corpus"),
+                                               max_length=512, batch_size=10), 1))
+    assert train == set(sentences(10, "train"))
+    val = decoded_documents(tokenizer, data.iter_eval_batches(
+        dataset="local", dataset_path=str(tmp_path / "corpus"), tokenizer=tokenizer, max_length=512, packing=False,
+        batch_size=6, eval_tokens=10 ** 6, rank=0, world_size=1))
+    assert val == set(sentences(6, "val"))
+
+
+def test_local_txt_without_validation_holds_out_a_slice(tmp_path, tokenizer):
+    texts = sentences(80, "para")
+    (tmp_path / "books").mkdir()
+    (tmp_path / "books" / "a.txt").write_text("\n\n".join(texts[:40]) + "\n", encoding="utf-8")
+    (tmp_path / "books" / "b.txt").write_text("\n\n".join(texts[40:]) + "\n", encoding="utf-8")
+    path = str(tmp_path / "books")
+    with pytest.warns(UserWarning):
+        val = decoded_documents(tokenizer, data.iter_eval_batches(
+            dataset="local", dataset_path=path, tokenizer=tokenizer, max_length=512, packing=False, batch_size=80,
+            eval_tokens=10 ** 6, rank=0, world_size=1))
+    train_stream = stream(tokenizer, dataset="local", dataset_path=path, max_length=512, batch_size=1)
+    train = decoded_documents(tokenizer, take(train_stream, 80))
+    val, train = {t.strip() for t in val}, {t.strip() for t in train}  # the last paragraph keeps its newline
+    assert val and train and not val & train
+    assert val | train == set(texts)  # paragraphs are the documents of a .txt file
+
+
+def test_missing_local_path_names_the_flag(tmp_path, tokenizer):
+    with pytest.raises(ValueError, match="--dataset_path.*nowhere"):
+        stream(tokenizer, dataset="local", dataset_path=str(tmp_path / "nowhere"))
+
+
+def test_hub_code_path_on_a_local_dataset_repo(tmp_path, tokenizer):
+    # A local folder is a valid `load_dataset` repo: this runs the exact code GPU users run on allenai/c4.
+    write_jsonl(tmp_path / "repo" / "train.jsonl", sentences(20, "train"))
+    write_jsonl(tmp_path / "repo" / "validation.jsonl", sentences(8, "val"))
+    kwargs = dict(dataset=str(tmp_path / "repo"), dataset_path=None, max_length=512, batch_size=5)
+    rank0 = take(stream(tokenizer, rank=0, world_size=2, num_workers=2, **kwargs), 2)
+    rank1 = take(stream(tokenizer, rank=1, world_size=2, **kwargs), 2)
+    seen0, seen1 = decoded_documents(tokenizer, rank0), decoded_documents(tokenizer, rank1)
+    assert seen0 and seen1 and not seen0 & seen1 and seen0 | seen1 == set(sentences(20, "train"))
+    val = decoded_documents(tokenizer, data.iter_eval_batches(tokenizer=tokenizer, packing=False, eval_tokens=10 ** 6,
+                                                        rank=0, world_size=1, **kwargs))
+    assert val == set(sentences(8, "val"))
+    with pytest.raises(ValueError, match="--dataset"):
+        stream(tokenizer, dataset=str(tmp_path / "no_such_repo"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Build command
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.skipif(not AUSTEN.is_dir(), reason="raw novels not available (they live outside the repository)")
+def test_build_command_reproduces_the_shipped_corpus(tmp_path):
+    data.main(["build-embedded", "--source", str(AUSTEN), "--out_dir", str(tmp_path / "embedded"),
+               "--tokenizer_dir", str(tmp_path / "tokenizer")])
+    for split in data.EMBEDDED_SPLITS:
+        assert (tmp_path / "embedded" / f"{split}.jsonl.gz").read_bytes() == data.embedded_split_path(split).read_bytes()
+    assert (tmp_path / "tokenizer" / "tokenizer.json").read_bytes() == (data.TOKENIZER_DIR / "tokenizer.json").read_bytes()
+
+
+def test_build_command_rejects_a_bad_source(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        data.main(["build-embedded", "--source", str(tmp_path / "missing")])
+    assert "--source" in capsys.readouterr().err
