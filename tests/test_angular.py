@@ -1,0 +1,147 @@
+"""Angular distance: known answers on hand-built models, streaming and padding invariance, hooks vs hidden_states, CLI."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tests.analysis_helpers import (heldout_documents, run_cli, save_with_tokenizer, tiny_hf_llama, tiny_ours,
+                                    with_blocks, write_jsonl)
+from utils import model_io
+from utils.angular_analysis import AngularDistanceAccumulator, compute_angular_distances
+
+
+def _random_batch(lengths, vocab=8192, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    input_ids = torch.randint(3, vocab, (len(lengths), width), generator=generator)
+    attention_mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        attention_mask[row, :length] = 1
+    return input_ids, attention_mask
+
+
+def _valid(num_layers):
+    n = np.arange(1, num_layers + 1)[:, None]
+    layer = np.arange(num_layers)[None, :]
+    return layer + n <= num_layers
+
+
+def test_identity_blocks_give_zero():
+    model = with_blocks(tiny_hf_llama(), [1.0, 1.0, 1.0, 1.0])
+    matrix, _ = compute_angular_distances(model, [_random_batch([7, 5])])
+    np.testing.assert_allclose(matrix[_valid(4)], 0.0, atol=1e-7)  # float64 cosines: ~1e-9 from rounding
+
+
+def test_negating_blocks_alternate_between_one_and_zero():
+    # h_l = (-1)^l h_0, so h_l and h_{l+n} point in opposite directions exactly when n is odd.
+    model = with_blocks(tiny_hf_llama(), [-1.0] * 5)
+    matrix, _ = compute_angular_distances(model, [_random_batch([6, 6, 3])])
+    n = np.arange(1, 6)[:, None].repeat(5, axis=1)
+    np.testing.assert_allclose(matrix[_valid(5)], (n % 2)[_valid(5)], atol=1e-7)
+
+
+def test_a_single_negating_block_is_seen_by_every_span_over_it():
+    model = with_blocks(tiny_hf_llama(), [1.0, -1.0, 1.0])  # only layer 1 negates
+    matrix, _ = compute_angular_distances(model, [_random_batch([4])])
+    for n in range(1, 4):
+        for layer in range(0, 4 - n):
+            spans_layer_1 = layer <= 1 < layer + n
+            assert matrix[n - 1, layer] == pytest.approx(1.0 if spans_layer_1 else 0.0, abs=1e-7)
+
+
+def test_shape_mask_and_range_on_a_real_model():
+    model = tiny_hf_llama(num_layers=5)
+    matrix, num_tokens = compute_angular_distances(model, [_random_batch([9, 4]), _random_batch([6], seed=1)])
+    assert matrix.shape == (5, 5)
+    assert num_tokens == 9 + 4 + 6
+    assert np.all(np.isnan(matrix[~_valid(5)]))
+    valid = matrix[_valid(5)]
+    assert np.all((valid > 0) & (valid <= 1))
+
+
+def test_streamed_padded_batches_match_a_direct_computation():
+    """Sums over padded batches equal arccos(cos)/pi averaged over every real token, computed directly."""
+    model = tiny_hf_llama(num_layers=3, seed=1)
+    lengths = [8, 3, 6, 5]
+    input_ids, attention_mask = _random_batch(lengths, seed=2)
+    # Reference: each sequence alone (no padding), states from output_hidden_states except the last, which is
+    # taken at the input of the final norm, and every pair compared with torch's cosine similarity.
+    per_token = []
+    with torch.no_grad():
+        for row, length in enumerate(lengths):
+            sequence = input_ids[row:row + 1, :length]
+            states = list(model(sequence, output_hidden_states=True).hidden_states[:-1])
+            states.append(_input_of_final_norm(model, sequence))
+            stacked = torch.stack([s[0].double() for s in states])  # [L+1, T, H]
+            cos = torch.nn.functional.cosine_similarity(stacked[:, None], stacked[None, :], dim=-1)
+            per_token.append(torch.arccos(cos.clamp(-1, 1)) / math.pi)  # [L+1, L+1, T]
+    mean = torch.cat(per_token, dim=-1).mean(dim=-1)
+    expected = np.full((3, 3), np.nan)
+    for n in range(1, 4):
+        expected[n - 1, : 4 - n] = torch.diagonal(mean, offset=n).numpy()
+
+    batches = [(input_ids[:2], attention_mask[:2]), (input_ids[2:], attention_mask[2:])]
+    matrix, num_tokens = compute_angular_distances(model, batches)
+    assert num_tokens == sum(lengths)
+    np.testing.assert_allclose(matrix, expected, atol=1e-5)
+
+
+def _input_of_final_norm(model, input_ids):
+    captured = {}
+    handle = model.model.norm.register_forward_hook(lambda _m, args, _o: captured.setdefault("h", args[0]))
+    try:
+        model(input_ids)
+    finally:
+        handle.remove()
+    return captured["h"]
+
+
+@pytest.mark.parametrize("build", [lambda: tiny_hf_llama(4), lambda: tiny_ours("lns", 4)], ids=["hf", "ours"])
+def test_hooks_capture_the_stream_before_the_final_norm(build):
+    model = build()
+    input_ids, attention_mask = _random_batch([6, 4])
+    states = model_io.ResidualStream(model)(input_ids, attention_mask)
+    with torch.no_grad():
+        hidden_states = model(input_ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states
+    keep = attention_mask.bool()
+    assert len(states) == len(hidden_states) == 5
+    for captured, reference in zip(states[:-1], hidden_states[:-1]):
+        torch.testing.assert_close(captured, reference[keep].float())
+    # hidden_states' last entry is final-normed; the hook gives the raw stream, whose norm differs.
+    assert not torch.allclose(states[-1], hidden_states[-1][keep].float(), atol=1e-3)
+    torch.testing.assert_close(model.model.norm(states[-1]), hidden_states[-1][keep].float())
+
+
+def test_accumulator_rejects_the_wrong_number_of_states():
+    with pytest.raises(ValueError, match="expected 4 states"):
+        AngularDistanceAccumulator(3).update([torch.ones(2, 4)] * 3)
+
+
+def test_cli_writes_matrix_and_heatmap_offline(tmp_path):
+    model_dir = save_with_tokenizer(tiny_ours("lns", 3), tmp_path / "model")
+    text = write_jsonl(tmp_path / "text.jsonl", heldout_documents(4))
+    out = tmp_path / "out"
+    result = run_cli("utils/angular_analysis.py", "--model_path", str(model_dir), "--text_file", str(text),
+                     "--num_tokens", "300", "--max_seq_len", "64", "--batch_size", "4", "--output_dir", str(out))
+    assert result.returncode == 0, result.stderr
+    for name in ("angular_distance.csv", "angular_distance.json", "angular_distance.png", "angular_distance.pdf"):
+        assert (out / name).stat().st_size > 0
+    payload = json.loads((out / "angular_distance.json").read_text())
+    assert payload["num_tokens"] == 300 and payload["num_layers"] == 3
+    rows = (out / "angular_distance.csv").read_text().splitlines()
+    assert rows[0] == "n,layer_0,layer_1,layer_2" and rows[3].split(",")[1:] == [rows[3].split(",")[1], "", ""]
+
+
+@pytest.mark.parametrize("flags, named", [(["--num_tokens", "0"], "--num_tokens"),
+                                           (["--text_file", "/no/such.txt"], "--text_file"),
+                                           (["--dtype", "float8"], "--dtype")])
+def test_bad_flags_are_one_line_errors_naming_the_flag(tmp_path, capsys, flags, named):
+    from utils.angular_analysis import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model_path", str(tmp_path), "--output_dir", str(tmp_path / "out"), *flags])
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,1 @@
+"""Analysis tools: model loading, residual-stream capture, angular distance, variance."""

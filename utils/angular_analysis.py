@@ -1,0 +1,182 @@
+"""Angular distance between the residual stream at layer l and at layer l + n, for every l and n.
+
+    python utils/angular_analysis.py --model_path Qwen/Qwen3-8B                       # paper: C4, 256K tokens
+    python utils/angular_analysis.py --model_path checkpoints/lns_130m --dataset embedded --num_tokens 65536
+
+d(l, n) = mean over all real (non-pad) token positions of arccos(cos(h_l, h_{l+n})) / pi, where h_0 is the
+residual stream entering decoder layer 0 and h_l the stream leaving decoder layer l - 1 (forward hooks, see
+utils/model_io.py). Rows of the result are n = 1..L, columns l = 0..L-1; entries with l + n > L do not exist
+and are NaN (null in JSON, empty in CSV, masked in the heatmap).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from utils import model_io
+
+# Bytes of float64 cosine work per chunk of tokens; bounds memory whatever the model size.
+_CHUNK_BYTES = 256 * 1024 * 1024
+
+
+class AngularDistanceAccumulator:
+    """Running sums of angular distances over tokens for every pair of depths.
+
+    Cosines are computed in float64 from float32 states: arccos is ill-conditioned near cos = 1, where deep
+    Pre-LN layers live, and float32 rounding there alone would read as an angle of ~1e-4 * pi.
+    """
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self.angle_sums = torch.zeros(num_layers + 1, num_layers + 1, dtype=torch.float64)
+        self.num_tokens = 0
+
+    def update(self, states: list[torch.Tensor]) -> None:
+        if len(states) != self.num_layers + 1:
+            raise ValueError(f"expected {self.num_layers + 1} states, got {len(states)}")
+        num_tokens, hidden = states[0].shape
+        chunk = max(1, _CHUNK_BYTES // (8 * (self.num_layers + 1) * hidden))
+        for start in range(0, num_tokens, chunk):
+            stacked = torch.stack([state[start:start + chunk] for state in states], dim=1).double()
+            unit = stacked / stacked.norm(dim=-1, keepdim=True).clamp_min(1e-300)
+            cosines = (unit @ unit.transpose(1, 2)).clamp_(-1.0, 1.0)  # [tokens, L+1, L+1]
+            self.angle_sums += (torch.arccos(cosines) / math.pi).sum(dim=0).cpu()
+        self.num_tokens += num_tokens
+
+    def matrix(self) -> np.ndarray:
+        """[n - 1, l] = mean angular distance between depth l and depth l + n; NaN where l + n > L."""
+        if self.num_tokens == 0:
+            raise ValueError("no tokens were analysed")
+        depth = self.num_layers
+        means = (self.angle_sums / self.num_tokens).numpy()
+        result = np.full((depth, depth), np.nan)
+        for n in range(1, depth + 1):
+            result[n - 1, : depth + 1 - n] = np.diagonal(means, offset=n)
+        return result
+
+
+def compute_angular_distances(model, batches, total_tokens: int | None = None, device=None) -> tuple[np.ndarray, int]:
+    """Stream batches of (input_ids, attention_mask) through the model; return (matrix, tokens analysed)."""
+    stream = model_io.ResidualStream(model)
+    device = device if device is not None else next(model.parameters()).device
+    accumulator = AngularDistanceAccumulator(stream.num_layers)
+    with tqdm(total=total_tokens, unit="tok", desc="angular distance", dynamic_ncols=True) as bar:
+        for input_ids, attention_mask in batches:
+            accumulator.update(stream(input_ids.to(device), attention_mask.to(device)))
+            bar.update(int(attention_mask.sum()))
+    return accumulator.matrix(), accumulator.num_tokens
+
+
+def normalize_rows(matrix: np.ndarray) -> np.ndarray:
+    """Min-max scale each row over its valid entries (what the reference plotted); constant rows become 0."""
+    result = np.full_like(matrix, np.nan)
+    for row, values in enumerate(matrix):
+        valid = ~np.isnan(values)
+        low, high = values[valid].min(), values[valid].max()
+        result[row, valid] = 0.0 if high == low else (values[valid] - low) / (high - low)
+    return result
+
+
+def save_matrix(matrix: np.ndarray, output_dir: Path, metadata: dict) -> list[Path]:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    depth = matrix.shape[1]
+    csv_path = output_dir / "angular_distance.csv"
+    with csv_path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["n"] + [f"layer_{layer}" for layer in range(depth)])
+        for n, values in enumerate(matrix, start=1):
+            writer.writerow([n] + ["" if np.isnan(value) else f"{value:.8f}" for value in values])
+    json_path = output_dir / "angular_distance.json"
+    payload = dict(metadata, rows="n = 1..L (subsequent n-th layer)", columns="l = 0..L-1 (layer index)",
+                   angular_distance=[[None if np.isnan(v) else float(v) for v in row] for row in matrix])
+    json_path.write_text(json.dumps(payload, indent=1))
+    return [csv_path, json_path]
+
+
+def plot_heatmap(matrix: np.ndarray, output_dir: Path, title: str, row_normalized: bool = False) -> list[Path]:
+    """Heatmap like the paper's figure: columns l, rows n (n = 1 at the bottom), invalid region left blank."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    values = normalize_rows(matrix) if row_normalized else matrix
+    depth = matrix.shape[1]
+    fig, ax = plt.subplots(figsize=(6.5, 5.0))
+    mesh = ax.pcolormesh(np.arange(depth + 1), np.arange(1, depth + 2), np.ma.masked_invalid(values),
+                         cmap="viridis_r", edgecolors="white", linewidth=0.2,
+                         vmin=0.0, vmax=1.0 if row_normalized else None)
+    ax.set_aspect("equal")
+    ax.set_xlabel(r"Layer index $\ell$")
+    ax.set_ylabel(r"Subsequent $n$-th layer")
+    step = max(1, round(depth / 8))
+    ax.set_xticks(np.arange(0, depth, step) + 0.5, [str(i) for i in range(0, depth, step)])
+    ax.set_yticks(np.arange(1, depth + 1, step) + 0.5, [str(i) for i in range(1, depth + 1, step)])
+    for side in ax.spines.values():
+        side.set_visible(False)
+    ax.tick_params(length=0)
+    ax.set_title(title, fontsize=10)
+    label = "angular distance (row-normalised)" if row_normalized else r"angular distance $d/\pi$"
+    fig.colorbar(mesh, ax=ax, fraction=0.046, pad=0.04, label=label)
+    fig.tight_layout()
+    paths = [output_dir / "angular_distance.png", output_dir / "angular_distance.pdf"]
+    for path in paths:
+        fig.savefig(path, dpi=200, bbox_inches="tight")
+    plt.close(fig)
+    return paths
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model_io.add_model_arguments(parser)
+    model_io.add_text_arguments(parser, default_num_tokens=256 * 1024)
+    parser.add_argument("--output_dir", default="outputs/angular", help="where the CSV, JSON, PNG and PDF go")
+    parser.add_argument("--normalize_rows", action="store_true",
+                        help="plot each row min-max scaled to [0, 1] as the reference did (files keep raw values)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> np.ndarray:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    model_io.check_positive(parser, args, "num_tokens", "max_seq_len", "batch_size")
+    try:
+        device = model_io.resolve_device(args.device)
+        dtype = model_io.resolve_dtype(args.dtype, device)
+        source = model_io.resolve_text_source(args.dataset, args.text_file)
+    except ValueError as err:
+        parser.error(str(err))
+
+    model, tokenizer = model_io.load_model_and_tokenizer(args.model_path, dtype, device, args.tokenizer)
+    batches = model_io.token_batches(tokenizer, source, args.max_seq_len, args.num_tokens, args.batch_size)
+    matrix, num_tokens = compute_angular_distances(model, batches, total_tokens=args.num_tokens, device=device)
+    if num_tokens < args.num_tokens:
+        print(f"[angular] the text has only {num_tokens} tokens (asked for {args.num_tokens})", file=sys.stderr)
+
+    source_name = "C4 en validation" if source[0] == "c4" else str(source[1])
+    metadata = dict(model_path=args.model_path, num_layers=matrix.shape[1], num_tokens=num_tokens,
+                    text=source_name, max_seq_len=args.max_seq_len, dtype=str(dtype).replace("torch.", ""),
+                    definition="mean over real tokens of arccos(cos(h_l, h_{l+n}))/pi; h_0 = input of layer 0, "
+                               "h_l = output of layer l-1 (residual stream, before the final norm)")
+    output_dir = Path(args.output_dir)
+    written = save_matrix(matrix, output_dir, metadata)
+    title = f"{Path(args.model_path.rstrip('/')).name}: {num_tokens} tokens of {Path(source_name).name}"
+    written += plot_heatmap(matrix, output_dir, title, row_normalized=args.normalize_rows)
+    for path in written:
+        print(f"wrote {path}")
+    return matrix
+
+
+if __name__ == "__main__":
+    main()
