@@ -103,8 +103,8 @@ def _set_config_flag(model: nn.Module, value: bool) -> None:
 
 
 def has_layernorm_scaling(model: nn.Module) -> bool:
-    """True when LNS hooks are attached to the block norms."""
-    return any(_lns_hooks(norm) for _, norm in _block_norms(model))
+    """True when LNS hooks are attached anywhere in the model (never raises, whatever the architecture)."""
+    return any(_lns_hooks(module) for module in model.modules())
 
 
 def apply_layernorm_scaling(model: nn.Module) -> nn.Module:
