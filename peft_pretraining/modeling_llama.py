@@ -373,9 +373,9 @@ class LlamaForCausalLM(LlamaPreTrainedModel, GenerationMixin):
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device), ignore_index=-100
-            )
+            # Shift the labels rather than the logits: slicing the logits would copy them and their gradient.
+            targets = F.pad(labels[:, 1:], (0, 1), value=-100).to(logits.device)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
         return CausalLMOutput(loss=loss, logits=logits, hidden_states=hidden_states)
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
