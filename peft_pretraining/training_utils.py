@@ -1,0 +1,394 @@
+"""Pieces of the training loop that are worth testing on their own.
+
+Optimizer, learning-rate schedule, token-weighted evaluation, gradient norm, RNG capture, atomic checkpoints,
+metrics file, loss-curve plot and wandb set-up. Distributed code here only uses collectives that are no-ops for a
+single process, so every function works with and without torchrun.
+"""
+import glob
+import json
+import math
+import netrc
+import os
+import random
+import shutil
+import time
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from tqdm import tqdm
+
+from peft_pretraining.args_utils import CHECKPOINT_PREFIX, TRAINING_STATE_FILE
+
+CHECKPOINT_FORMAT = 1
+EXIT_DIVERGED = 3
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed from; the message names the folder and the bad file."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Optimizer and schedule
+# ----------------------------------------------------------------------------------------------------------------
+
+def build_optimizer(params, name: str, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """Adam / AdamW with torch's fused kernel where the device supports it, else the foreach one."""
+    params = [p for p in params if p.requires_grad]
+    optimizer_class = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
+    try:
+        return optimizer_class(params, lr=lr, weight_decay=weight_decay, fused=True)
+    except (RuntimeError, ValueError):
+        return optimizer_class(params, lr=lr, weight_decay=weight_decay, foreach=True)
+
+
+def lr_factor(update_index: int, *, scheduler_type: str, num_training_steps: int, warmup_steps: int,
+              min_lr_ratio: float) -> float:
+    """Multiplier of the peak lr used by the update with 0-based index `update_index`.
+
+    Warmup: updates 0..warmup-1 use (i+1)/warmup, so the first update is not wasted at lr 0 and the last warmup
+    update reaches the peak. Decay: cosine (or linear) from the peak down to min_lr_ratio, reached exactly by the
+    last update, index num_training_steps-1.
+    """
+    if update_index < warmup_steps:
+        return (update_index + 1) / warmup_steps
+    if warmup_steps > 0:  # the peak was used by update warmup-1, so decay starts moving at update warmup
+        progress = (update_index - warmup_steps + 1) / (num_training_steps - warmup_steps)
+    else:  # no warmup: update 0 uses the peak
+        progress = update_index / max(num_training_steps - 1, 1)
+    progress = min(progress, 1.0)
+    if scheduler_type == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    elif scheduler_type == "linear":
+        shape = 1.0 - progress
+    else:
+        raise ValueError(f"unknown scheduler {scheduler_type!r}; valid: cosine, linear")
+    return min_lr_ratio + (1.0 - min_lr_ratio) * shape
+
+
+def build_scheduler(optimizer, *, scheduler_type: str, num_training_steps: int, warmup_steps: int,
+                    min_lr_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
+    """LambdaLR over lr_factor; call scheduler.step() once after each optimizer.step().
+
+    transformers' get_cosine_with_min_lr_schedule_with_warmup starts at lr 0, which is the reference bug we fix.
+    """
+    def factor(update_index):
+        return lr_factor(update_index, scheduler_type=scheduler_type, num_training_steps=num_training_steps,
+                         warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def grad_norm_and_clip(parameters, max_norm: float) -> float:
+    """Global L2 norm of the gradients (all shards); clip to max_norm unless it is 0."""
+    parameters = [p for p in parameters if p.grad is not None]
+    if max_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, foreach=True)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in parameters], foreach=True)
+    if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor whose value is already the global norm
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Evaluation
+# ----------------------------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def evaluate(model, batches, *, device, eval_tokens: int, autocast=nullcontext, lockstep: bool = False,
+             show_progress: bool = True) -> dict:
+    """Token-weighted mean next-token cross-entropy over this rank's share of the validation tokens, all-reduced.
+
+    loss = (sum of CE over every target token on every rank) / (number of those tokens); ppl = exp(loss).
+    `lockstep` keeps ranks running the same number of forwards (FSDP2 all-gathers inside forward): a rank that
+    ran out of batches feeds a fully masked copy of its last batch until every rank is done.
+    """
+    was_training = model.training
+    model.eval()
+    distributed = dist.is_available() and dist.is_initialized()
+    world_size = dist.get_world_size() if distributed else 1
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    token_count = torch.zeros((), dtype=torch.int64, device=device)
+    batch_iter = iter(batches)
+    last_batch = None
+    bar = tqdm(total=eval_tokens, desc="eval", unit="tok", unit_scale=True, leave=False, disable=not show_progress)
+    while True:
+        batch = next(batch_iter, None)
+        if lockstep and distributed:
+            has_batch = torch.tensor(int(batch is not None), device=device)
+            dist.all_reduce(has_batch, op=dist.ReduceOp.MAX)
+            if not has_batch.item():
+                break
+            if batch is None:
+                if last_batch is None:
+                    raise RuntimeError("evaluation: this rank received no validation batch at all")
+                batch = dict(last_batch, labels=torch.full_like(last_batch["labels"], -100))
+        elif batch is None:
+            break
+        last_batch = batch
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        with autocast():
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        targets = batch["labels"][:, 1:]
+        loss_sum += F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(),
+                                    ignore_index=-100, reduction="sum").double()
+        counted = (targets != -100).sum()
+        token_count += counted
+        bar.update(int(counted) * world_size)  # ranks hold near-equal shares; the exact total is all-reduced below
+    bar.close()
+    if distributed:
+        dist.all_reduce(loss_sum)
+        dist.all_reduce(token_count)
+    model.train(was_training)
+    tokens = int(token_count.item())
+    if tokens == 0:
+        raise RuntimeError("evaluation saw no target tokens: the validation split is empty")
+    loss = loss_sum.item() / tokens
+    return {"eval_loss": loss, "eval_ppl": math.exp(loss) if loss < 700 else float("inf"), "eval_tokens": tokens}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# RNG state
+# ----------------------------------------------------------------------------------------------------------------
+
+def seed_everything(seed: int):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # seeds CUDA as well
+
+
+def capture_rng_state() -> dict:
+    """Python, numpy, torch CPU and CUDA generators, in types torch.load(weights_only=True) accepts."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+    return state
+
+
+def restore_rng_state(state: dict):
+    python_state = state["python"]
+    random.setstate((python_state[0], tuple(python_state[1]), python_state[2]))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoints
+# ----------------------------------------------------------------------------------------------------------------
+
+def checkpoint_dir(run_dir: str, step: int) -> str:
+    return os.path.join(run_dir, f"{CHECKPOINT_PREFIX}{step}")
+
+
+def parameter_checksum(model) -> float:
+    """Sum of all parameters in float64: equal on every DDP rank when the replicas are in sync."""
+    with torch.no_grad():
+        return float(sum(p.detach().double().sum().item() for p in model.parameters()))
+
+
+def gather_rank_objects(obj) -> list:
+    """Every rank's `obj`, in rank order (a one-element list without torchrun)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def full_state_dicts(model, optimizer) -> tuple[dict, dict]:
+    """Unsharded model and optimizer state on CPU (collective under FSDP2; keys are parameter names)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def _fsync_tree(directory: str):
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(run_dir: str, step: int, *, hf_model, model_state: dict, tokenizer, training_state: dict) -> str:
+    """Write model_<step>/ atomically (rank 0 only): build it under a temporary name, then rename into place.
+
+    A kill at any point leaves either the old folder or the new one, never a half-written checkpoint under the
+    final name; the previous checkpoints are not touched.
+    """
+    final = checkpoint_dir(run_dir, step)
+    tmp = os.path.join(run_dir, f".{CHECKPOINT_PREFIX}{step}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    hf_model.save_pretrained(tmp, state_dict=model_state)  # safetensors + config.json (+ modeling code)
+    tokenizer.save_pretrained(tmp)
+    torch.save(dict(training_state, format=CHECKPOINT_FORMAT), os.path.join(tmp, TRAINING_STATE_FILE))
+    summary = {k: training_state.get(k) for k in ("update_step", "tokens_seen", "world_size", "rank_param_checksums")}
+    summary["saved_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    with open(os.path.join(tmp, "training_state.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    _fsync_tree(tmp)
+    if os.path.exists(final):  # same step saved by an earlier run: swap, then drop the old copy
+        old = os.path.join(run_dir, f".{CHECKPOINT_PREFIX}{step}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
+    return final
+
+
+def _short(err: Exception) -> str:
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{err.__class__.__name__}: {first_line[:160]}"
+
+
+def load_model_weights(checkpoint: str) -> dict:
+    files = sorted(glob.glob(os.path.join(checkpoint, "*.safetensors")))
+    if not files:
+        raise CheckpointError(f"--continue_from {checkpoint}: no *.safetensors weights")
+    state = {}
+    for path in files:
+        try:
+            state.update(load_file(path))
+        except Exception as err:  # safetensors raises its own error types for truncated/garbled files
+            raise CheckpointError(f"--continue_from {checkpoint}: corrupt weights {os.path.basename(path)} "
+                                  f"({_short(err)})") from err
+    return state
+
+
+def load_training_state(checkpoint: str) -> dict:
+    path = os.path.join(checkpoint, TRAINING_STATE_FILE)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError as err:
+        raise CheckpointError(f"--continue_from {checkpoint}: {TRAINING_STATE_FILE} missing") from err
+    except Exception as err:  # truncated zip, garbage bytes, unpickling error
+        raise CheckpointError(f"--continue_from {checkpoint}: corrupt {TRAINING_STATE_FILE} ({_short(err)})") from err
+    needed = ("format", "update_step", "tokens_seen", "world_size", "optimizer", "scheduler", "rng", "data")
+    missing = [k for k in needed if k not in state]
+    if missing:
+        raise CheckpointError(f"--continue_from {checkpoint}: {TRAINING_STATE_FILE} lacks {', '.join(missing)}")
+    if state["format"] != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"--continue_from {checkpoint}: checkpoint format {state['format']}, "
+                              f"this code reads {CHECKPOINT_FORMAT}")
+    return state
+
+
+def load_optimizer_state(model, optimizer, optimizer_state: dict):
+    options = StateDictOptions(full_state_dict=True)
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=optimizer_state, options=options)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Metrics, plot, wandb
+# ----------------------------------------------------------------------------------------------------------------
+
+def _json_safe(value):
+    """NaN/inf are not JSON: write null (the run's status says why)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsFile:
+    """metrics.jsonl: one JSON object per update step, flushed as it is written."""
+
+    def __init__(self, path: str, resume_step: int | None = None):
+        self.path = path
+        if resume_step is not None and os.path.exists(path):
+            self._truncate_after(resume_step)
+        self._file = open(path, "a")
+
+    def _truncate_after(self, step: int):
+        # Rows past the resumed checkpoint belong to a trajectory that is about to be replayed.
+        with open(self.path) as f:
+            rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(rows)
+        os.replace(tmp, self.path)
+
+    def write(self, row: dict):
+        self._file.write(json.dumps({k: _json_safe(v) for k, v in row.items()}, allow_nan=False) + "\n")
+        self._file.flush()
+
+    def close(self):
+        self._file.close()
+
+
+def read_metrics(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_loss_curve(metrics_path: str, png_path: str, title: str = ""):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
+    evals = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if train:
+        ax.plot(*zip(*train), label="train loss", linewidth=1)
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval loss", markersize=4)
+    ax.set_xlabel("update step")
+    ax.set_ylabel("cross-entropy (nats / token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+
+
+def wandb_api_key_available() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+def wandb_mode() -> str:
+    """WANDB_MODE when set; otherwise online only with an API key, offline without one (never a login prompt)."""
+    mode = os.environ.get("WANDB_MODE", "").strip().lower()
+    if mode in ("disabled", "offline", "dryrun"):
+        return "disabled" if mode == "disabled" else "offline"
+    if mode == "online" or not mode:
+        return "online" if wandb_api_key_available() else "offline"
+    return "offline"
+
+
+def init_wandb(*, project: str, run_name: str, config: dict, tags, run_dir: str):
+    """A wandb run writing under run_dir, or None when WANDB_MODE=disabled."""
+    mode = wandb_mode()
+    if mode == "disabled":
+        return None
+    import wandb
+    return wandb.init(project=project, name=run_name, config=config, tags=tags, dir=run_dir, mode=mode,
+                      settings=wandb.Settings(init_timeout=120, console="off"))
