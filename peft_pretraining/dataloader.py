@@ -253,25 +253,31 @@ class StreamingSource:
                 position += 1
 
 
-def _local_files(path: pathlib.Path) -> list[pathlib.Path]:
-    def kind(p: pathlib.Path) -> str | None:
-        suffixes = [s for s in p.suffixes if s != ".gz"]
-        return LOCAL_EXTENSIONS.get(suffixes[-1]) if suffixes else None
+def _local_kind(path: pathlib.Path) -> str | None:
+    """'text' / 'json' builder for a supported file name (a trailing .gz is allowed), else None."""
+    suffixes = [s for s in path.suffixes if s != ".gz"]
+    return LOCAL_EXTENSIONS.get(suffixes[-1].lower()) if suffixes else None
 
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and kind(p))
-    return files
+
+def _local_files(path: pathlib.Path) -> list[pathlib.Path]:
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.is_file() and _local_kind(p) and not p.name.startswith("."))
 
 
 def _local_builder(files: list[pathlib.Path], dataset_path: str) -> str:
-    kinds = {LOCAL_EXTENSIONS.get([s for s in f.suffixes if s != ".gz"][-1]) if f.suffixes else None for f in files}
+    kinds = {_local_kind(f) for f in files}
     if None in kinds or len(kinds) != 1:
         raise ValueError(f"--dataset_path {dataset_path}: expected only .txt or only .json/.jsonl files (optionally "
                          f".gz), found {sorted(f.name for f in files)[:5]}")
     return kinds.pop()
 
 
+_VALIDATION_NAME = re.compile(r"(^|[^a-z])val", re.IGNORECASE)  # "val", "my_val", "validation"; not "interval"
+
+
 def _is_validation_name(name: str) -> bool:
-    return "val" in name.lower()
+    return bool(_VALIDATION_NAME.search(name))
 
 
 def resolve_local_splits(dataset_path: str) -> tuple[list[pathlib.Path], list[pathlib.Path] | None]:
@@ -287,12 +293,12 @@ def resolve_local_splits(dataset_path: str) -> tuple[list[pathlib.Path], list[pa
     if not files:
         raise ValueError(f"--dataset_path {dataset_path}: no .txt/.json/.jsonl files found")
     if path.is_dir():
-        val = [f for f in files if _is_validation_name(str(f.relative_to(path)))]
+        val = [f for f in files if _is_validation_name(f.relative_to(path).as_posix())]
         train = [f for f in files if f not in val]
         if val and train:
             return train, val
     siblings = sorted(p for p in path.parent.iterdir() if p != path and _is_validation_name(p.name)
-                      and (p.is_dir() or p.suffixes[-1:] in ([".gz"], *([s] for s in LOCAL_EXTENSIONS))))
+                      and (p.is_dir() or _local_kind(p)))
     val = [f for s in siblings for f in _local_files(s)]
     return files, (val or None)
 
@@ -392,6 +398,12 @@ def _keep_as_is(item):
     return item
 
 
+def _require_eos(tokenizer) -> None:
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no EOS token; documents are "
+                         "terminated with EOS")
+
+
 def _rows_to_batch(rows: list[np.ndarray], max_length: int, pad_id: int) -> dict:
     input_ids = np.full((len(rows), max_length), pad_id, dtype=np.int64)
     attention_mask = np.zeros((len(rows), max_length), dtype=np.int64)
@@ -414,8 +426,7 @@ class TrainStream:
             raise ValueError(f"--batch_size must be >= 1, got {batch_size}")
         if num_workers < 0:
             raise ValueError(f"--num_workers must be >= 0, got {num_workers}")
-        if tokenizer.eos_token_id is None:
-            raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no EOS token")
+        _require_eos(tokenizer)
         self.source, self.tokenizer = source, tokenizer
         self.max_length, self.packing, self.batch_size, self.num_workers = max_length, packing, batch_size, num_workers
         self.description = dict(description or {})
@@ -547,6 +558,7 @@ def iter_eval_batches(*, dataset: str, dataset_path: str | None, tokenizer, max_
         raise ValueError(f"--eval_tokens must be >= 0, got {eval_tokens}")
     if batch_size < 1 or max_length < 2:
         raise ValueError(f"invalid eval batch_size={batch_size} / max_length={max_length}")
+    _require_eos(tokenizer)
     share = eval_tokens // world_size + (1 if rank < eval_tokens % world_size else 0)
     source = _make_source(dataset=dataset, dataset_path=dataset_path, split="validation", seed=0, rank=rank,
                           world_size=world_size, shuffle=False, dataset_config=dataset_config)

@@ -247,6 +247,7 @@ def decoded_documents(tokenizer, batches):
             for b in batches for row, mask in zip(b["input_ids"], b["attention_mask"])}
 
 
+@pytest.mark.filterwarnings("ignore:the validation split gives")
 def test_local_jsonl_folder_with_validation_file(tmp_path, tokenizer):
     write_jsonl(tmp_path / "corpus" / "part-0.jsonl", sentences(10, "train"))
     write_jsonl(tmp_path / "corpus" / "my_val.jsonl", sentences(6, "val"))
@@ -276,11 +277,28 @@ def test_local_txt_without_validation_holds_out_a_slice(tmp_path, tokenizer):
     assert val | train == set(texts)  # paragraphs are the documents of a .txt file
 
 
+def test_local_validation_file_naming(tmp_path):
+    write_jsonl(tmp_path / "a" / "train.jsonl", ["x"])
+    write_jsonl(tmp_path / "a" / "validation.jsonl", ["y"])  # sibling of the file given as --dataset_path
+    assert data.resolve_local_splits(str(tmp_path / "a" / "train.jsonl")) == (
+        [tmp_path / "a" / "train.jsonl"], [tmp_path / "a" / "validation.jsonl"])
+    write_jsonl(tmp_path / "b" / "interval_notes.jsonl", ["x"])  # "interval" is not a validation name
+    write_jsonl(tmp_path / "b" / "part.jsonl", ["y"])
+    assert data.resolve_local_splits(str(tmp_path / "b")) == (
+        [tmp_path / "b" / "interval_notes.jsonl", tmp_path / "b" / "part.jsonl"], None)
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "x.txt").write_text("a")
+    write_jsonl(tmp_path / "c" / "y.jsonl", ["b"])
+    with pytest.raises(ValueError, match="--dataset_path"):
+        stream(None, dataset="local", dataset_path=str(tmp_path / "c"))
+
+
 def test_missing_local_path_names_the_flag(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="--dataset_path.*nowhere"):
         stream(tokenizer, dataset="local", dataset_path=str(tmp_path / "nowhere"))
 
 
+@pytest.mark.filterwarnings("ignore:the validation split gives")
 def test_hub_code_path_on_a_local_dataset_repo(tmp_path, tokenizer):
     # A local folder is a valid `load_dataset` repo: this runs the exact code GPU users run on allenai/c4.
     write_jsonl(tmp_path / "repo" / "train.jsonl", sentences(20, "train"))
