@@ -1,0 +1,339 @@
+"""Remove one decoder layer from a causal LM and save it, or sweep: remove each layer in turn and evaluate.
+
+    python layer_remove.py --model_path Qwen/Qwen3-8B --layer_index 20 --save_path pruned/qwen3_8b_minus_20
+    python layer_remove.py --model_path checkpoints/lns_130m --sweep                  # lm-eval, mmlu online
+    python layer_remove.py --model_path checkpoints/lns_130m --sweep --tasks heldout_novel_ppl   # offline
+
+Works on HF Llama, Qwen2/Qwen3 and Mistral models and on our checkpoints. The attention ``layer_idx`` of the
+remaining layers is renumbered (the KV cache is indexed by it) and the config's ``num_hidden_layers`` and
+``layer_types`` follow. For our models each remaining layer keeps what it was trained with: its own LNS factor
+1/sqrt(l) (l = its original depth) and its own Mix-LN placement (post or pre). The config records this through
+``layer_norm_types`` / ``layer_depths`` (``freeze_layer_plan``), so the saved model reloads the same way.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import csv
+import json
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from peft_pretraining import lm_eval_tasks
+from utils import model_io
+
+# Config attributes holding one entry per layer; the removed layer's entry is dropped.
+PER_LAYER_CONFIG_KEYS = ("layer_types", "layer_norm_types", "layer_depths")
+# Config attributes a removal may change, snapshotted so an in-memory removal can be undone exactly.
+_RESTORED_CONFIG_KEYS = ("num_hidden_layers", "deepnorm_num_layers", *PER_LAYER_CONFIG_KEYS)
+
+
+def is_our_config(config) -> bool:
+    return getattr(config, "norm_type", None) is not None
+
+
+def check_layer_index(layer_index: int, num_layers: int) -> None:
+    if num_layers < 2:
+        raise ValueError(f"--layer_index: the model has {num_layers} layer; removing it would leave none")
+    if not 0 <= layer_index < num_layers:
+        raise ValueError(f"--layer_index: {layer_index} is out of range for a model with {num_layers} layers "
+                         f"(valid: 0..{num_layers - 1})")
+
+
+def _renumber_layers(layers) -> None:
+    """Give every module of layer i that carries a ``layer_idx`` (attention, KV-cache users) the index i."""
+    for new_index, layer in enumerate(layers):
+        for module in layer.modules():
+            if isinstance(getattr(module, "layer_idx", None), int):
+                module.layer_idx = new_index
+
+
+def remove_layer(model, layer_index: int):
+    """Remove decoder layer ``layer_index`` (0-based) in place; returns the removed module."""
+    layers = model_io.decoder_layers(model)
+    check_layer_index(layer_index, len(layers))
+    config = model.config
+    if is_our_config(config):
+        from peft_pretraining.modeling_llama import freeze_layer_plan
+
+        freeze_layer_plan(config)  # pin every layer's placement and depth before the positions shift
+    for key in PER_LAYER_CONFIG_KEYS:
+        values = getattr(config, key, None)
+        if isinstance(values, (list, tuple)) and len(values) == len(layers):
+            setattr(config, key, [value for index, value in enumerate(values) if index != layer_index])
+    removed = layers[layer_index]
+    del layers[layer_index]
+    config.num_hidden_layers = len(layers)
+    _renumber_layers(layers)
+    return removed
+
+
+@contextlib.contextmanager
+def layer_removed(model, layer_index: int):
+    """Remove a layer for the duration of the block, then put the model and its config back as they were."""
+    layers = model_io.decoder_layers(model)
+    saved = {key: copy.deepcopy(getattr(model.config, key)) for key in _RESTORED_CONFIG_KEYS
+             if hasattr(model.config, key)}
+    removed = remove_layer(model, layer_index)
+    try:
+        yield model
+    finally:
+        layers.insert(layer_index, removed)
+        _renumber_layers(layers)
+        for key in _RESTORED_CONFIG_KEYS:
+            if key in saved:
+                setattr(model.config, key, saved[key])
+            elif hasattr(model.config, key):
+                delattr(model.config, key)
+
+
+def lm_eval_command(model_path: str | Path, our_checkpoint: bool, tasks: str = "mmlu") -> str:
+    """The lm-eval CLI call for a saved model (ours needs trust_remote_code to load our class)."""
+    model_args = f"pretrained={Path(model_path).resolve()},dtype=bfloat16"
+    if our_checkpoint:
+        model_args += ",trust_remote_code=True"
+    return (f"lm_eval --model hf --model_args {shlex.quote(model_args)} --tasks {tasks} "
+            "--device cuda:0 --batch_size auto")
+
+
+# ----------------------------------------------------------------------------- sweep
+def evaluate(model, tokenizer, tasks: list[str], manager, batch_size: int, limit, bootstrap_iters: int) -> dict:
+    """lm-eval on an in-memory model; returns {task: {metric: (value, higher_is_better)}}."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=batch_size)
+    output = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
+                             bootstrap_iters=bootstrap_iters, log_samples=False)
+    scores = {}
+    for task in tasks:
+        metrics = output["results"].get(task)
+        if metrics is None:
+            raise ValueError(f"--tasks: lm-eval returned no result for {task!r}")
+        # higher_is_better lists exactly the task's metrics (not sample_len, aliases or stderrs).
+        directions = output["higher_is_better"].get(task, {})
+        scores[task] = {key: (float(value), bool(directions[key.split(",")[0]])) for key, value in metrics.items()
+                        if key.split(",")[0] in directions and isinstance(value, (int, float))}
+        if not scores[task]:
+            raise ValueError(f"--tasks: lm-eval reported no metric for {task!r}")
+    return scores
+
+
+def pick_metric(scores: dict, task: str, metric: str | None) -> str:
+    available = list(scores[task])
+    if metric is None:
+        return available[0]
+    matches = [key for key in available if key == metric or key.split(",")[0] == metric]
+    if not matches:
+        raise ValueError(f"--metric: {metric!r} not reported by task {task!r} (available: {', '.join(available)})")
+    return matches[0]
+
+
+def sweep(model, tokenizer, tasks: list[str], manager, metric: str | None = None, batch_size: int = 8,
+          limit=None, bootstrap_iters: int = 0, layer_indices: list[int] | None = None) -> list[dict]:
+    """Baseline plus one evaluation per removed layer; one row per (removed layer, task).
+
+    ``drop`` is the performance lost by removing the layer (positive = worse), whatever the metric's direction:
+    baseline - value when higher is better (accuracy), value - baseline when lower is better (perplexity).
+    """
+    num_layers = len(model_io.decoder_layers(model))
+    layer_indices = list(range(num_layers)) if layer_indices is None else layer_indices
+    for index in layer_indices:
+        check_layer_index(index, num_layers)
+
+    baseline = evaluate(model, tokenizer, tasks, manager, batch_size, limit, bootstrap_iters)
+    metric_by_task = {task: pick_metric(baseline, task, metric) for task in tasks}
+    rows = [dict(removed_layer=None, task=task, metric=metric_by_task[task],
+                 value=baseline[task][metric_by_task[task]][0], drop=0.0, relative_drop=0.0) for task in tasks]
+    for index in tqdm(layer_indices, desc="removing layers", unit="layer", dynamic_ncols=True):
+        with layer_removed(model, index):
+            scores = evaluate(model, tokenizer, tasks, manager, batch_size, limit, bootstrap_iters)
+        for task in tasks:
+            key = metric_by_task[task]
+            base_value, higher_is_better = baseline[task][key]
+            value = scores[task][key][0]
+            drop = base_value - value if higher_is_better else value - base_value
+            rows.append(dict(removed_layer=index, task=task, metric=key, value=value, drop=drop,
+                             relative_drop=drop / abs(base_value) if base_value else float("nan")))
+    return rows
+
+
+def save_sweep(rows: list[dict], output_dir: Path, metadata: dict) -> list[Path]:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    csv_path = output_dir / "layer_removal.csv"
+    with csv_path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({key: "baseline" if key == "removed_layer" and value is None else value
+                             for key, value in row.items()})
+    json_path = output_dir / "layer_removal.json"
+    json_path.write_text(json.dumps(dict(metadata, rows=rows), indent=1))
+    return [csv_path, json_path, plot_sweep(rows, output_dir / "layer_removal.png", metadata.get("model_path", ""))]
+
+
+def plot_sweep(rows: list[dict], path: Path, title: str) -> Path:
+    """One bar per removed layer (its drop), one panel per task, like the paper's layer-pruning figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(dict.fromkeys(row["task"] for row in rows))
+    fig, axes = plt.subplots(len(tasks), 1, figsize=(max(6.0, 0.25 * len(rows) / len(tasks) + 2), 3.2 * len(tasks)),
+                             squeeze=False)
+    for ax, task in zip(axes[:, 0], tasks):
+        task_rows = [row for row in rows if row["task"] == task]
+        baseline = next(row for row in task_rows if row["removed_layer"] is None)
+        pruned = [row for row in task_rows if row["removed_layer"] is not None]
+        drops = [row["drop"] for row in pruned]
+        ax.bar([row["removed_layer"] for row in pruned], drops,
+               color=["tab:red" if drop > 0 else "tab:blue" for drop in drops])
+        ax.axhline(0.0, color="black", linewidth=0.6)
+        metric = baseline["metric"].split(",")[0]
+        ax.set_ylabel(f"drop in {metric}")
+        ax.set_xlabel("removed layer index $\\ell$")
+        ax.set_title(f"{title} | {task}: baseline {metric} = {baseline['value']:.4g} (positive = worse)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=200)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------- command line
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model_io.add_model_arguments(parser, default_model=None)
+    parser.add_argument("--layer_index", type=int, default=None, help="0-based index of the layer to remove")
+    parser.add_argument("--save_path", default=None, help="new (or empty) folder for the pruned model")
+    parser.add_argument("--sweep", action="store_true",
+                        help="remove each layer in turn (in memory) and evaluate with lm-eval, plus the baseline")
+    parser.add_argument("--tasks", default=None,
+                        help="comma-separated lm-eval tasks for --sweep; default mmlu when the hub is reachable, "
+                             f"else the local {lm_eval_tasks.HELDOUT_PERPLEXITY_TASK}")
+    parser.add_argument("--metric", default=None, help="metric to tabulate (default: each task's first metric)")
+    parser.add_argument("--layers", default=None, help="comma-separated layer indices to sweep (default: all)")
+    parser.add_argument("--limit", type=float, default=None, help="lm-eval limit per task (testing only)")
+    parser.add_argument("--eval_batch_size", type=int, default=8, help="lm-eval batch size")
+    parser.add_argument("--bootstrap_iters", type=int, default=0,
+                        help="lm-eval bootstrap iterations for stderr (0 = skip; the sweep compares point values)")
+    parser.add_argument("--task_text_file", default=None,
+                        help=f"text for {lm_eval_tasks.HELDOUT_PERPLEXITY_TASK} (default: embedded held-out novel)")
+    parser.add_argument("--task_max_documents", type=int, default=None,
+                        help=f"keep only the first N documents in {lm_eval_tasks.HELDOUT_PERPLEXITY_TASK}")
+    parser.add_argument("--output_dir", default="outputs/layer_removal", help="where the sweep table and plot go")
+    return parser
+
+
+def _check_save_path(parser, save_path: str, model_path: str) -> Path:
+    path = Path(save_path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        parser.error(f"--save_path: {save_path} already exists and is not empty; choose a new folder")
+    if Path(model_path).exists() and path.resolve() == Path(model_path).resolve():
+        parser.error("--save_path: must differ from --model_path")
+    return path
+
+
+def _config_num_layers(parser, model_path: str) -> int:
+    local = model_io.read_local_config(model_path)
+    if local is not None:
+        return int(local["num_hidden_layers"])
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_path).num_hidden_layers
+    except (OSError, ValueError) as err:
+        parser.error(f"--model_path: cannot read the config of {model_path!r} ({str(err).splitlines()[0]})")
+
+
+def run_single(parser, args, device, dtype) -> None:
+    if args.layer_index is None or args.save_path is None:
+        parser.error("--layer_index and --save_path are required unless --sweep is given")
+    save_path = _check_save_path(parser, args.save_path, args.model_path)
+    try:
+        check_layer_index(args.layer_index, _config_num_layers(parser, args.model_path))
+    except ValueError as err:
+        parser.error(str(err))
+    model, tokenizer = model_io.load_model_and_tokenizer(args.model_path, dtype, device, args.tokenizer)
+    remove_layer(model, args.layer_index)
+    model.save_pretrained(save_path)
+    tokenizer.save_pretrained(save_path)
+    ours = is_our_config(model.config)
+    print(f"removed layer {args.layer_index}; saved a {model.config.num_hidden_layers}-layer model to {save_path}")
+    print("evaluate it with:")
+    print(f"  {lm_eval_command(save_path, ours)}")
+    print("offline (held-out perplexity task built from the embedded novel):")
+    print(f"  python -m peft_pretraining.lm_eval_tasks --output_dir {save_path.resolve()}_tasks && "
+          f"{lm_eval_command(save_path, ours, lm_eval_tasks.HELDOUT_PERPLEXITY_TASK)} "
+          f"--include_path {save_path.resolve()}_tasks")
+
+
+def run_sweep(parser, args, device, dtype) -> list[dict]:
+    if args.layer_index is not None or args.save_path is not None:
+        parser.error("--sweep evaluates every layer in memory; drop --layer_index and --save_path")
+    if args.tasks is None:
+        online = model_io.hub_is_reachable()
+        args.tasks = "mmlu" if online else lm_eval_tasks.HELDOUT_PERPLEXITY_TASK
+        if not online:
+            print(f"[layer_remove] the hub is not reachable; evaluating the local task {args.tasks}", file=sys.stderr)
+    tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
+    if not tasks:
+        parser.error("--tasks: give at least one task")
+    try:
+        layer_indices = None if args.layers is None else [int(i) for i in args.layers.split(",") if i.strip()]
+    except ValueError:
+        parser.error(f"--layers: {args.layers!r} is not a comma-separated list of integers")
+    num_layers = _config_num_layers(parser, args.model_path)
+    for index in layer_indices or []:
+        try:
+            check_layer_index(index, num_layers)
+        except ValueError as err:
+            parser.error(str(err).replace("--layer_index", "--layers"))
+
+    model, tokenizer = model_io.load_model_and_tokenizer(args.model_path, dtype, device, args.tokenizer)
+    limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
+    with tempfile.TemporaryDirectory(prefix="lm_eval_tasks_") as task_dir:
+        heldout_options = {"text_file": args.task_text_file, "max_documents": args.task_max_documents}
+        try:
+            include_paths = lm_eval_tasks.build_local_tasks(
+                tasks, task_dir, {lm_eval_tasks.HELDOUT_PERPLEXITY_TASK: heldout_options})
+        except ValueError as err:
+            parser.error(f"--task_text_file: {err}")
+        manager = lm_eval_tasks.task_manager(include_paths)
+        unknown = [task for task in tasks if task not in manager.all_tasks]
+        if unknown:
+            parser.error(f"--tasks: unknown lm-eval task(s) {', '.join(unknown)}")
+        try:
+            rows = sweep(model, tokenizer, tasks, manager, metric=args.metric, batch_size=args.eval_batch_size,
+                         limit=limit, bootstrap_iters=args.bootstrap_iters, layer_indices=layer_indices)
+        except ValueError as err:
+            parser.error(str(err))
+    metadata = dict(model_path=args.model_path, tasks=tasks, limit=args.limit, num_layers=num_layers,
+                    drop="performance lost when the layer is removed (positive = worse)")
+    for path in save_sweep(rows, Path(args.output_dir), metadata):
+        print(f"wrote {path}")
+    return rows
+
+
+def main(argv: list[str] | None = None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    model_io.check_positive(parser, args, "eval_batch_size")
+    try:
+        device = model_io.resolve_device(args.device)
+        dtype = model_io.resolve_dtype(args.dtype, device)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.sweep:
+        return run_sweep(parser, args, device, dtype)
+    # A saved pruned model keeps the checkpoint's own dtype unless --dtype says otherwise.
+    return run_single(parser, args, device, "auto" if args.dtype == "auto" else dtype)
+
+
+if __name__ == "__main__":
+    main()

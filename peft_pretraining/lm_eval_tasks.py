@@ -1,0 +1,129 @@
+"""lm-eval tasks built from the repository's own data, so that evaluation runs offline.
+
+Each builder writes, under an output folder, the task's documents as JSON lines and a task YAML (lm-eval 0.4.x
+format) that points at them by absolute path; ``task_manager(include_paths)`` then makes the task available to
+``lm_eval.simple_evaluate`` by name, and the same folder works with the CLI: ``lm_eval --include_path DIR``.
+
+    python -m peft_pretraining.lm_eval_tasks --output_dir /tmp/lm_eval_tasks      # writes heldout_novel_ppl
+
+Builders are registered in LOCAL_TASK_BUILDERS (name -> function(output_dir, **options) -> task folder); add a
+new task (e.g. a multiple-choice one) by writing its builder next to the existing one and registering it there.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from pathlib import Path
+from typing import Callable, Iterable
+
+import yaml
+
+from peft_pretraining.dataloader import EMBEDDED_DIR
+
+HELDOUT_PERPLEXITY_TASK = "heldout_novel_ppl"
+EMBEDDED_HELDOUT = EMBEDDED_DIR / "validation.jsonl.gz"
+
+
+def read_texts(path: str | Path) -> list[str]:
+    """Documents of a .jsonl[.gz] file (its "text" fields) or paragraphs (blank-line separated) of a text file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"task text file {path} does not exist")
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as handle:
+        if path.name.removesuffix(".gz").endswith((".jsonl", ".json")):
+            return [json.loads(line)["text"] for line in handle if line.strip()]
+        return [block.strip() for block in handle.read().split("\n\n") if block.strip()]
+
+
+def write_task(output_dir: str | Path, task_name: str, documents: Iterable[dict], task_config: dict) -> Path:
+    """Write output_dir/task_name/{task_name}.jsonl and {task_name}.yaml; returns the task folder.
+
+    ``task_config`` holds the YAML fields other than the task name and the data location.
+    """
+    task_dir = Path(output_dir).resolve() / task_name
+    task_dir.mkdir(parents=True, exist_ok=True)
+    data_file = task_dir / f"{task_name}.jsonl"
+    with data_file.open("w", encoding="utf-8") as handle:
+        count = 0
+        for document in documents:
+            handle.write(json.dumps(document, ensure_ascii=False) + "\n")
+            count += 1
+    if count == 0:
+        raise ValueError(f"task {task_name}: no documents to write")
+    split = task_config.get("test_split", "test")
+    config = {"task": task_name, "dataset_path": "json",
+              "dataset_kwargs": {"data_files": {split: str(data_file)}}, **task_config}
+    (task_dir / f"{task_name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    return task_dir
+
+
+def build_heldout_perplexity_task(output_dir: str | Path, text_file: str | Path | None = None,
+                                  max_documents: int | None = None, task_name: str = HELDOUT_PERPLEXITY_TASK) -> Path:
+    """Perplexity of held-out text through ``loglikelihood_rolling`` (like lm-eval's wikitext task).
+
+    Default text: the embedded held-out novel (never seen in training). Reports word_perplexity,
+    byte_perplexity and bits_per_byte; lower is better.
+    """
+    texts = read_texts(text_file or EMBEDDED_HELDOUT)
+    if max_documents is not None:
+        texts = texts[:max_documents]
+    task_config = {
+        "output_type": "loglikelihood_rolling",
+        "test_split": "test",
+        "doc_to_text": "",
+        "doc_to_target": "text",  # a column name: the document is scored verbatim, no template rendering
+        "metric_list": [{"metric": "word_perplexity"}, {"metric": "byte_perplexity"}, {"metric": "bits_per_byte"}],
+        "metadata": {"version": 1.0, "source": str(text_file or EMBEDDED_HELDOUT)},
+    }
+    return write_task(output_dir, task_name, ({"text": text} for text in texts), task_config)
+
+
+LOCAL_TASK_BUILDERS: dict[str, Callable[..., Path]] = {
+    HELDOUT_PERPLEXITY_TASK: build_heldout_perplexity_task,
+}
+
+
+def build_local_tasks(task_names: Iterable[str], output_dir: str | Path,
+                      options_by_task: dict[str, dict] | None = None) -> list[Path]:
+    """Build every requested task that is one of ours (with its builder options); returns their folders for
+    include_path. Names that are not local tasks (mmlu, ...) are left to lm-eval's own registry."""
+    options_by_task = options_by_task or {}
+    return [LOCAL_TASK_BUILDERS[name](output_dir, **options_by_task.get(name, {}))
+            for name in task_names if name in LOCAL_TASK_BUILDERS]
+
+
+def task_manager(include_paths: Iterable[str | Path] = ()):
+    from lm_eval.tasks import TaskManager
+
+    paths = [str(path) for path in include_paths]
+    return TaskManager(include_path=paths or None)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output_dir", required=True, help="folder to pass to lm_eval --include_path")
+    parser.add_argument("--tasks", default=HELDOUT_PERPLEXITY_TASK,
+                        help=f"comma-separated local tasks; available: {', '.join(LOCAL_TASK_BUILDERS)}")
+    parser.add_argument("--text_file", default=None, help="text for the perplexity task (default: embedded held-out)")
+    parser.add_argument("--max_documents", type=int, default=None, help="keep only the first N documents")
+    args = parser.parse_args(argv)
+    names = [name.strip() for name in args.tasks.split(",") if name.strip()]
+    unknown = [name for name in names if name not in LOCAL_TASK_BUILDERS]
+    if unknown:
+        parser.error(f"--tasks: unknown local task(s) {', '.join(unknown)}; available: {', '.join(LOCAL_TASK_BUILDERS)}")
+    if args.max_documents is not None and args.max_documents < 1:
+        parser.error(f"--max_documents: must be positive, got {args.max_documents}")
+    try:
+        heldout_options = {"text_file": args.text_file, "max_documents": args.max_documents}
+        folders = build_local_tasks(names, args.output_dir, {HELDOUT_PERPLEXITY_TASK: heldout_options})
+    except ValueError as err:
+        parser.error(str(err))
+    for folder in folders:
+        print(f"wrote {folder}")
+    print(f"use with: lm_eval --include_path {Path(args.output_dir).resolve()} --tasks {','.join(names)} ...")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Layer removal: pruned logits equal a model built without the layer (HF and ours), per-layer LNS factors and
+Mix-LN placements survive, save/load round trip, errors, in-memory undo, CLI, and an offline lm-eval sweep."""
+import csv
+import json
+import math
+
+import pytest
+import torch
+from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
+
+from layer_remove import layer_removed, main, remove_layer
+from tests.analysis_helpers import heldout_documents, run_cli, save_with_tokenizer, tiny_hf_llama, tiny_ours, write_jsonl
+from utils import model_io
+
+INPUT_IDS = torch.randint(3, 8192, (2, 9), generator=torch.Generator().manual_seed(0))
+ATTENTION_MASK = torch.tensor([[1] * 9, [1] * 6 + [0] * 3])
+
+
+def logits(model):
+    with torch.no_grad():
+        return model(INPUT_IDS, attention_mask=ATTENTION_MASK).logits
+
+
+def state_without_layer(model, index):
+    """The model's weights with layer `index` dropped and the later layers shifted down."""
+    state = {}
+    for name, tensor in model.state_dict().items():
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"]:
+            layer = int(parts[2])
+            if layer == index:
+                continue
+            parts[2] = str(layer - 1 if layer > index else layer)
+        state[".".join(parts)] = tensor
+    return state
+
+
+def _hf_config(config_class, num_layers, **extra):
+    return config_class(vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                        pad_token_id=0, **extra)
+
+
+HF_CASES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {}),
+    # Mixed sliding/full layers with a window shorter than the input, so a wrong layer_types changes the logits.
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"use_sliding_window": True, "sliding_window": 3}),
+}
+
+
+@pytest.mark.parametrize("case", HF_CASES)
+@pytest.mark.parametrize("index", [0, 2])
+def test_hf_pruned_logits_equal_a_model_built_without_the_layer(case, index):
+    config_class, model_class, extra = HF_CASES[case]
+    layer_types = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+    if case == "qwen3":
+        extra = dict(extra, layer_types=layer_types)
+    torch.manual_seed(0)
+    model = model_class(_hf_config(config_class, 4, **extra)).eval()
+    expected_state = state_without_layer(model, index)
+
+    remove_layer(model, index)
+
+    if case == "qwen3":
+        extra["layer_types"] = [kind for i, kind in enumerate(layer_types) if i != index]
+        assert model.config.layer_types == extra["layer_types"]
+    reference = model_class(_hf_config(config_class, 3, **extra)).eval()
+    reference.load_state_dict(expected_state)
+    assert model.config.num_hidden_layers == 3
+    assert [layer.self_attn.layer_idx for layer in model.model.layers] == [0, 1, 2]
+    torch.testing.assert_close(logits(model), logits(reference), rtol=0, atol=0)
+
+
+# A large init makes every sublayer matter, so a wrong factor or placement shows in the logits.
+STRONG_INIT = {"initializer_range": 0.3}
+
+
+def _ours_rebuilt(norm_type, placements, depths, state):
+    model = tiny_ours(norm_type, num_layers=len(placements), layer_norm_types=placements, layer_depths=depths,
+                      deepnorm_num_layers=4, **STRONG_INIT)
+    model.load_state_dict(state)
+    return model
+
+
+def test_lns_layers_keep_their_own_depth_factor():
+    model = tiny_ours("lns", num_layers=4, **STRONG_INIT)
+    state = state_without_layer(model, 1)
+    remove_layer(model, 1)
+    assert model.config.layer_depths == [1, 3, 4]
+    assert model.config.layer_norm_types == ["lns"] * 3
+    expected = _ours_rebuilt("lns", ["lns"] * 3, [1, 3, 4], state)
+    torch.testing.assert_close(logits(model), logits(expected), rtol=0, atol=0)
+    # A 3-layer LNS model renumbered 1, 2, 3 is a different function: the depth really is kept.
+    renumbered = tiny_ours("lns", num_layers=3, **STRONG_INIT)
+    renumbered.load_state_dict(state)
+    assert not torch.allclose(logits(model), logits(renumbered), atol=1e-2)
+
+
+def test_mix_ln_layers_keep_their_own_placement():
+    model = tiny_ours("post_pre", num_layers=4, post_num=2, **STRONG_INIT)
+    state = state_without_layer(model, 0)
+    remove_layer(model, 0)
+    assert model.config.layer_norm_types == ["post", "pre", "pre"]
+    expected = _ours_rebuilt("post_pre", ["post", "pre", "pre"], [2, 3, 4], state)
+    torch.testing.assert_close(logits(model), logits(expected), rtol=0, atol=0)
+    # Rebuilding with post_num=2 would make the old layer 2 (trained Pre-LN) Post-LN.
+    naive = tiny_ours("post_pre", num_layers=3, post_num=2, **STRONG_INIT)
+    naive.load_state_dict(state)
+    assert not torch.allclose(logits(model), logits(naive), atol=1e-2)
+
+
+def test_round_trip_through_save_and_load(tmp_path):
+    model = tiny_ours("lns", num_layers=4)
+    remove_layer(model, 2)
+    model.save_pretrained(tmp_path)
+    reloaded = model_io.load_model(str(tmp_path))
+    assert reloaded.config.num_hidden_layers == 3 and reloaded.config.layer_depths == [1, 2, 4]
+    torch.testing.assert_close(logits(reloaded), logits(model), rtol=0, atol=0)
+    # What lm_eval's hf backend does with trust_remote_code=True (the command layer_remove prints).
+    remote = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    torch.testing.assert_close(logits(remote), logits(model), rtol=0, atol=0)
+
+
+def test_hf_round_trip(tmp_path):
+    model = tiny_hf_llama(num_layers=3)
+    remove_layer(model, 1)
+    model.save_pretrained(tmp_path)
+    reloaded = model_io.load_model(str(tmp_path))
+    assert type(reloaded) is LlamaForCausalLM and reloaded.config.num_hidden_layers == 2
+    torch.testing.assert_close(logits(reloaded), logits(model), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("index", [4, -1])
+def test_out_of_range_index_is_an_error(index):
+    model = tiny_hf_llama(num_layers=4)
+    with pytest.raises(ValueError, match=f"--layer_index: {index} is out of range .* 4 layers"):
+        remove_layer(model, index)
+    assert len(model.model.layers) == 4 and model.config.num_hidden_layers == 4
+
+
+def test_in_memory_removal_is_undone():
+    model = tiny_ours("lns", num_layers=4)
+    before_logits, before_config = logits(model), model.config.to_dict()
+    with layer_removed(model, 1):
+        assert len(model.model.layers) == 3
+        assert not torch.allclose(logits(model), before_logits)
+    assert model.config.to_dict() == before_config
+    assert [layer.self_attn.layer_idx for layer in model.model.layers] == [0, 1, 2, 3]
+    torch.testing.assert_close(logits(model), before_logits, rtol=0, atol=0)
+
+
+def test_cli_out_of_range_and_occupied_save_path_errors(tmp_path, capsys):
+    model_dir = save_with_tokenizer(tiny_hf_llama(num_layers=2), tmp_path / "model")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model_path", str(model_dir), "--layer_index", "2", "--save_path", str(tmp_path / "pruned")])
+    assert exit_info.value.code == 2
+    assert "--layer_index: 2 is out of range" in capsys.readouterr().err
+    assert not (tmp_path / "pruned").exists()
+    with pytest.raises(SystemExit):
+        main(["--model_path", str(model_dir), "--layer_index", "0", "--save_path", str(model_dir)])
+    assert "--save_path" in capsys.readouterr().err
+    assert (model_dir / "config.json").is_file()
+
+
+def test_cli_removes_a_layer_and_prints_the_lm_eval_command(tmp_path):
+    model_dir = save_with_tokenizer(tiny_ours("post_pre", num_layers=4, post_num=1), tmp_path / "model")
+    save_path = tmp_path / "pruned"
+    result = run_cli("layer_remove.py", "--model_path", str(model_dir), "--layer_index", "0",
+                     "--save_path", str(save_path))
+    assert result.returncode == 0, result.stderr
+    assert f"lm_eval --model hf --model_args pretrained={save_path.resolve()},dtype=bfloat16,trust_remote_code=True " \
+        in result.stdout
+    config = json.loads((save_path / "config.json").read_text())
+    assert config["num_hidden_layers"] == 3
+    assert config["layer_norm_types"] == ["pre", "pre", "pre"] and config["layer_depths"] == [2, 3, 4]
+    assert (save_path / "tokenizer.json").is_file()
+
+
+def test_sweep_runs_end_to_end_through_lm_eval_offline(tmp_path):
+    model_dir = save_with_tokenizer(tiny_ours("lns", num_layers=2), tmp_path / "model")
+    text = write_jsonl(tmp_path / "heldout.jsonl", [document[:500] for document in heldout_documents(3)])
+    out = tmp_path / "sweep"
+    result = run_cli("layer_remove.py", "--model_path", str(model_dir), "--sweep", "--task_text_file", str(text),
+                     "--task_max_documents", "2", "--eval_batch_size", "2", "--output_dir", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "evaluating the local task heldout_novel_ppl" in result.stderr  # offline default
+    with (out / "layer_removal.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [row["removed_layer"] for row in rows] == ["baseline", "0", "1"]
+    assert {row["metric"] for row in rows} == {"word_perplexity,none"}
+    baseline = float(rows[0]["value"])
+    for row in rows[1:]:
+        value = float(row["value"])
+        assert math.isfinite(value) and value > 1 and value != baseline
+        assert float(row["drop"]) == pytest.approx(value - baseline)  # lower perplexity is better
+    payload = json.loads((out / "layer_removal.json").read_text())
+    assert len(payload["rows"]) == 3 and payload["tasks"] == ["heldout_novel_ppl"]
+    assert (out / "layer_removal.png").stat().st_size > 0
