@@ -20,6 +20,7 @@ data/tokenizer/ from the raw novels.
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import io
 import json
@@ -311,11 +312,18 @@ def _open_local_split(dataset_path: str, split: str):
     builder = _local_builder(files, dataset_path)
     kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
     dataset = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True, **kwargs)
+    first = next(iter(dataset.take(1)), None)
+    if first is not None and not isinstance(first.get("text"), str):
+        raise ValueError(f"--dataset_path {dataset_path}: records need a string \"text\" field, found keys "
+                         f"{sorted(first)}")
     if val_files is None:
-        keep_validation = split != "train"
-        dataset = dataset.filter(lambda ex: (zlib.crc32(ex["text"].encode("utf-8")) % LOCAL_VALIDATION_EVERY == 0)
-                                 == keep_validation)
+        dataset = dataset.filter(functools.partial(_in_validation_slice, expected=split != "train"))
     return dataset.select_columns(["text"])
+
+
+def _in_validation_slice(example: dict, expected: bool) -> bool:
+    """The held-out slice of a local corpus without a validation file: stable under any reordering of documents."""
+    return (zlib.crc32(example["text"].encode("utf-8")) % LOCAL_VALIDATION_EVERY == 0) == expected
 
 
 def _open_hub_split(dataset: str, config: str | None, split: str):

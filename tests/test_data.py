@@ -291,6 +291,10 @@ def test_local_validation_file_naming(tmp_path):
     write_jsonl(tmp_path / "c" / "y.jsonl", ["b"])
     with pytest.raises(ValueError, match="--dataset_path"):
         stream(None, dataset="local", dataset_path=str(tmp_path / "c"))
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x.jsonl").write_text(json.dumps({"content": "no text field"}) + "\n")
+    with pytest.raises(ValueError, match="--dataset_path.*text"):
+        stream(None, dataset="local", dataset_path=str(tmp_path / "d"))
 
 
 def test_missing_local_path_names_the_flag(tmp_path, tokenizer):
