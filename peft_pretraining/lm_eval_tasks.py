@@ -80,8 +80,76 @@ def build_heldout_perplexity_task(output_dir: str | Path, text_file: str | Path 
     return write_task(output_dir, task_name, ({"text": text} for text in texts), task_config)
 
 
+# ----------------------------------------------------------------------------- next-sentence multiple choice
+NEXT_SENTENCE_TASK = "embedded_next_sentence"
+# A sentence ends at . ! or ? (plus closing quotes/brackets) followed by a capitalised word or the end of the text.
+SENTENCE_PATTERN = r"\S.*?[.!?][\"')\]]*(?=\s+[\"'(\[]?[A-Z]|\s*$)"
+
+
+def split_sentences(text: str, min_words: int = 4) -> list[str]:
+    """Sentences of at least ``min_words`` words (shorter fragments make trivially easy or ambiguous choices)."""
+    import re
+
+    return [sentence for sentence in re.findall(SENTENCE_PATTERN, " ".join(text.split()))
+            if len(sentence.split()) >= min_words]
+
+
+def next_sentence_items(texts: list[str], num_examples: int, num_choices: int = 4, context_sentences: int = 3,
+                        seed: int = 0) -> list[dict]:
+    """"Which sentence continues this passage?" items: up to ``context_sentences`` consecutive sentences of a text,
+    the sentence that follows them, and ``num_choices - 1`` distractor sentences from other texts, shuffled.
+    Deterministic for a given seed."""
+    import random
+
+    if num_choices < 2:
+        raise ValueError(f"num_choices must be at least 2, got {num_choices}")
+    rng = random.Random(seed)
+    sentences_by_text = [split_sentences(text) for text in texts]
+    positions = [(t, i) for t, sentences in enumerate(sentences_by_text) for i in range(1, len(sentences))]
+    if not positions or sum(1 for sentences in sentences_by_text if sentences) < num_choices:
+        raise ValueError(f"too few multi-sentence passages to build {num_choices}-way next-sentence items")
+    rng.shuffle(positions)
+    items = []
+    for text_index, position in positions[:num_examples]:
+        sentences = sentences_by_text[text_index]
+        answer = sentences[position]
+        distractors = set()
+        while len(distractors) < num_choices - 1:
+            other = rng.randrange(len(sentences_by_text))
+            if other != text_index and sentences_by_text[other]:
+                candidate = rng.choice(sentences_by_text[other])
+                if candidate != answer:
+                    distractors.add(candidate)
+        choices = [answer] + sorted(distractors)
+        rng.shuffle(choices)
+        items.append({"context": " ".join(sentences[max(0, position - context_sentences):position]),
+                      "choices": choices, "label": choices.index(answer)})
+    return items
+
+
+def build_next_sentence_task(output_dir: str | Path, text_file: str | Path | None = None, num_examples: int = 500,
+                             num_choices: int = 4, seed: int = 0, task_name: str = NEXT_SENTENCE_TASK) -> Path:
+    """Multiple choice: pick the sentence that continues a passage of the held-out novel (chance 1/num_choices).
+
+    Scored by the log-likelihood of each choice after the context; reports acc and acc_norm (higher is better).
+    """
+    items = next_sentence_items(read_texts(text_file or EMBEDDED_HELDOUT), num_examples, num_choices, seed=seed)
+    task_config = {
+        "output_type": "multiple_choice",
+        "test_split": "test",
+        "doc_to_text": "context",  # column names: no template rendering
+        "doc_to_choice": "choices",
+        "doc_to_target": "label",
+        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+                        {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True}],
+        "metadata": {"version": 1.0, "source": str(text_file or EMBEDDED_HELDOUT), "seed": seed},
+    }
+    return write_task(output_dir, task_name, items, task_config)
+
+
 LOCAL_TASK_BUILDERS: dict[str, Callable[..., Path]] = {
     HELDOUT_PERPLEXITY_TASK: build_heldout_perplexity_task,
+    NEXT_SENTENCE_TASK: build_next_sentence_task,
 }
 
 
