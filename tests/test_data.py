@@ -58,7 +58,7 @@ def test_embedded_tokenizer_ids_and_round_trip(tokenizer):
     assert len(tokenizer) == data.EMBEDDED_VOCAB_SIZE
     assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (0, 1, 2)
     assert (tokenizer.pad_token, tokenizer.eos_token) == ("<pad>", "</s>")
-    text = 'It is a truth universally acknowledged -- "Mr. Darcy!" said she; café, naïve, 1813.\nNew line.'
+    text = 'It is a truth universally acknowledged -- "Mr. Darcy!" said she ; café, naïve, 1813.\n\n  Tab\there ?!'
     ids = tokenizer(text)["input_ids"]
     assert ids[-1] == tokenizer.eos_token_id  # like t5-base, special tokens mean a trailing </s>
     assert tokenizer.decode(ids, skip_special_tokens=True) == text
