@@ -192,7 +192,7 @@ def test_embedded_resume_mid_document(tokenizer):
     first = stream(tokenizer, **kwargs)
     take(first, 4)
     state = first.state_dict()
-    assert state["token_offset"] > 0 or state["document"] > 0
+    assert state["token_offset"] > 0  # the next batch starts inside a document
     resumed = stream(tokenizer, **kwargs)
     resumed.load_state_dict(state)
     assert_same_batches(take(resumed, 2), uninterrupted[4:])
