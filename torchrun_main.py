@@ -205,11 +205,19 @@ def train(args, rank: int, world_size: int, device) -> int:
     update_step, tokens_seen = 0, 0
     if resume_state is not None:
         training_utils.load_optimizer_state(train_model, optimizer, resume_state["optimizer"])
-        scheduler.load_state_dict(resume_state["scheduler"])
+        update_step, tokens_seen = resume_state["update_step"], resume_state["tokens_seen"]
+        # The schedule continues at update_step with this command line's --lr/--warmup_steps/... (pass the same
+        # flags for an exact resume; differences are listed below).
+        scheduler = training_utils.build_scheduler(optimizer, scheduler_type=args.scheduler,
+                                                   num_training_steps=args.num_training_steps,
+                                                   warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio,
+                                                   lr=args.lr, weight_decay=args.weight_decay,
+                                                   resume_at=update_step)
         stream.load_state_dict(resume_state["data"][rank])
         training_utils.restore_rng_state(resume_state["rng"][rank])
-        update_step, tokens_seen = resume_state["update_step"], resume_state["tokens_seen"]
         log(f"resumed from {args.continue_from}: update step {update_step}, tokens seen {tokens_seen}")
+        for flag, (saved, now) in training_utils.changed_flags(resume_state.get("args", {}), vars(args)).items():
+            log(f"note: --{flag} is {now!r} now, {saved!r} in the checkpoint's run (using {now!r})")
         del resume_state
     if update_step >= args.num_training_steps:
         raise BadInput(f"--num_training_steps {args.num_training_steps}: the checkpoint is already at step "

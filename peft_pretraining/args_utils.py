@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--save_every", type=int, default=10_000)
     run.add_argument("--save_dir", type=str, default=None,
                      help="run folder: metrics.jsonl, results.json, loss_curve.png and model_<step>/ checkpoints "
-                          "(default runs/<run_name>-<UTC time>)")
+                          "(default runs/<run_name>-<UTC time>; with --continue_from, the checkpoint's run folder)")
     run.add_argument("--continue_from", type=str, default=None,
                      help="checkpoint folder (model_<step>) or a run folder (its latest checkpoint) to resume")
     run.add_argument("--run_name", type=str, default=None)
@@ -270,6 +270,8 @@ def check_args(args, parser, world_size: int):
         stem = os.path.splitext(os.path.basename(args.model_config))[0].removeprefix("llama_")
         suffix = f"{args.post_num}" if args.norm_type == "post_pre" else ""
         args.run_name = f"{stem}_{args.norm_type}{suffix}_lr{args.lr:g}"
+    if args.save_dir is None and args.continue_from is not None:
+        args.save_dir = os.path.dirname(os.path.abspath(args.continue_from))  # keep writing into the same run folder
     if args.save_dir is not None and run_folder_in_use(args.save_dir) and args.continue_from is None:
         parser.error(f"--save_dir {args.save_dir} already holds a run; pass --continue_from to resume it "
                      f"or choose another --save_dir")

@@ -76,15 +76,34 @@ def lr_factor(update_index: int, *, scheduler_type: str, num_training_steps: int
 
 
 def build_scheduler(optimizer, *, scheduler_type: str, num_training_steps: int, warmup_steps: int,
-                    min_lr_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
+                    min_lr_ratio: float, lr: float | None = None, weight_decay: float | None = None,
+                    resume_at: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR over lr_factor; call scheduler.step() once after each optimizer.step().
 
     transformers' get_cosine_with_min_lr_schedule_with_warmup starts at lr 0, which is the reference bug we fix.
+    resume_at=k positions the schedule so that the next update uses lr_factor(k); lr / weight_decay then overwrite
+    the values that a loaded optimizer state carried.
     """
     def factor(update_index):
         return lr_factor(update_index, scheduler_type=scheduler_type, num_training_steps=num_training_steps,
                          warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    if resume_at:
+        for group in optimizer.param_groups:
+            group["initial_lr"] = lr if lr is not None else group["initial_lr"]
+            if weight_decay is not None:
+                group["weight_decay"] = weight_decay
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=resume_at - 1)
+
+
+RESUME_FLAGS_TO_COMPARE = ("lr", "scheduler", "min_lr_ratio", "warmup_steps", "num_training_steps", "weight_decay",
+                           "optimizer", "total_batch_size", "batch_size", "max_length", "packing", "dataset",
+                           "dataset_path", "tokenizer", "dtype", "grad_clipping", "seed")
+
+
+def changed_flags(saved_args: dict, new_args: dict) -> dict:
+    """{flag: (checkpoint value, current value)} for the flags that shape the trajectory."""
+    return {k: (saved_args[k], new_args.get(k)) for k in RESUME_FLAGS_TO_COMPARE
+            if k in saved_args and saved_args[k] != new_args.get(k)}
 
 
 def grad_norm_and_clip(parameters, max_norm: float) -> float:
@@ -321,12 +340,18 @@ class MetricsFile:
         self._file = open(path, "a")
 
     def _truncate_after(self, step: int):
-        # Rows past the resumed checkpoint belong to a trajectory that is about to be replayed.
+        # Rows past the resumed checkpoint belong to a trajectory that is about to be replayed: they move to
+        # metrics_superseded.jsonl (appended, so nothing written earlier is lost).
         with open(self.path) as f:
-            rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+            lines = [line for line in f if line.strip()]
+        kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+        superseded = [line for line in lines if json.loads(line).get("step", 0) > step]
+        if superseded:
+            with open(os.path.join(os.path.dirname(self.path), "metrics_superseded.jsonl"), "a") as f:
+                f.writelines(superseded)
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
-            f.writelines(rows)
+            f.writelines(kept)
         os.replace(tmp, self.path)
 
     def write(self, row: dict):

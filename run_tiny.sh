@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# A few-minute CPU pretraining run: the 24-layer tiny config on the embedded Austen corpus, offline.
+#   bash run_tiny.sh NORM_TYPE [POST_NUM] [extra torchrun_main.py flags]      e.g. bash run_tiny.sh LNS
+# Writes runs/tiny_<norm>-<time>/ (metrics.jsonl, results.json, loss_curve.png, model_<step>/) and prints the paths.
+# PYTHON picks the interpreter (default: python); NPROC=2 runs two CPU processes through torchrun (gloo).
+set -euo pipefail
+cd "$(dirname "$0")"
+norm_type=${1:?usage: bash run_tiny.sh NORM_TYPE [POST_NUM] [extra torchrun_main.py flags]}
+shift
+post_num=""
+if [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; then post_num=$1; shift; fi
+if [[ ${norm_type,,} == post_pre && -z $post_num ]]; then post_num=6; fi  # Mix-LN: a quarter of the 24 layers
+run_name="tiny_${norm_type,,}"
+if [[ ${norm_type,,} == post_pre ]]; then run_name+="_post$post_num"; fi
+nproc=${NPROC:-1}
+python=${PYTHON:-python}
+export WANDB_MODE=${WANDB_MODE:-disabled}  # a smoke run: no wandb files unless asked for
+
+if [[ $nproc -gt 1 ]]; then launcher=("$python" -m torch.distributed.run --standalone --nproc_per_node "$nproc")
+else launcher=("$python"); fi
+echo "run_tiny.sh: norm_type=$norm_type post_num=${post_num:-none} processes=$nproc (CPU, embedded corpus)"
+exec "${launcher[@]}" torchrun_main.py \
+    --model_config configs/llama_tiny_deep.json \
+    --norm_type "$norm_type" ${post_num:+--post_num "$post_num"} \
+    --dataset embedded \
+    --device cpu \
+    --dtype float32 \
+    --lr 2e-3 \
+    --batch_size 16 \
+    --total_batch_size $((16 * nproc)) \
+    --max_length 128 \
+    --num_training_steps 150 \
+    --warmup_steps 15 \
+    --weight_decay 0 \
+    --grad_clipping 1.0 \
+    --eval_every 50 \
+    --eval_tokens 20000 \
+    --save_every 150 \
+    --workers 0 \
+    --run_name "$run_name" \
+    "$@"

@@ -1,0 +1,292 @@
+"""Trainer: schedule, evaluation, CLI errors, and torchrun_main.py run end to end as a user would (subprocess).
+
+Everything uses configs/llama_tiny.json on the embedded corpus, CPU, float32, a few steps of 4 x 32 tokens.
+"""
+import hashlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from peft_pretraining import args_utils
+from peft_pretraining.dataloader import count_target_tokens, iter_eval_batches, load_tokenizer
+from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config
+from peft_pretraining.training_utils import EXIT_DIVERGED, build_scheduler, evaluate, lr_factor
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = ["--model_config", "configs/llama_tiny.json", "--dataset", "embedded", "--max_length", "32",
+        "--batch_size", "4", "--workers", "0", "--eval_tokens", "1000", "--dtype", "float32", "--device", "cpu"]
+STEPS = 6  # the shared run trains 2 * STEPS updates, evaluating and saving every STEPS
+SHARED_RUN = [*TINY, "--lr", "3e-3", "--warmup_steps", "2", "--num_training_steps", str(2 * STEPS),
+              "--eval_every", str(STEPS), "--save_every", str(STEPS)]
+
+
+def run_main(args, env=None, timeout=240):
+    return subprocess.run([sys.executable, "torchrun_main.py", *args], cwd=REPO, capture_output=True, text=True,
+                          env=env, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def tree_hashes(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def shared_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("train") / "run"
+    proc = run_main([*SHARED_RUN, "--save_dir", str(run_dir)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir, proc
+
+
+# --------------------------------------------------------------------------------------------------------------
+# End to end
+# --------------------------------------------------------------------------------------------------------------
+
+def test_tiny_run_lowers_eval_loss_and_fills_the_run_folder(shared_run):
+    run_dir, proc = shared_run
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 2 * STEPS + 1))
+    for row in rows:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_seen", "tokens_per_s"} <= row.keys()
+    evals = [r for r in rows if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [STEPS, 2 * STEPS]
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert evals[-1]["eval_ppl"] == pytest.approx(math.exp(evals[-1]["eval_loss"]))
+    # The logged lr is the schedule's formula, update by update (first update not at lr 0).
+    expected_lrs = [3e-3 * lr_factor(i, scheduler_type="cosine", num_training_steps=2 * STEPS, warmup_steps=2,
+                                     min_lr_ratio=0.1) for i in range(2 * STEPS)]
+    assert [r["lr"] for r in rows] == pytest.approx(expected_lrs)
+
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["status"] == "finished" and results["step"] == 2 * STEPS
+    assert results["final_eval_loss"] == evals[-1]["eval_loss"]
+    assert results["eval_tokens"] == 1000
+    assert results["tokens_seen"] == rows[-1]["tokens_seen"] > 0
+    assert (run_dir / "loss_curve.png").stat().st_size > 1000
+    for step in (STEPS, 2 * STEPS):
+        checkpoint = run_dir / f"model_{step}"
+        for name in ("config.json", "model.safetensors", "tokenizer.json", "training_state.pt"):
+            assert (checkpoint / name).is_file(), name
+    assert not list(run_dir.glob(".model_*"))  # no temporary folders left behind
+    assert str(run_dir / "results.json") in proc.stdout and str(run_dir / "loss_curve.png") in proc.stdout
+
+
+def test_checkpoint_is_a_loadable_hf_model(shared_run):
+    run_dir, _ = shared_run
+    model = LlamaForCausalLM.from_pretrained(run_dir / f"model_{2 * STEPS}")
+    saved = load_file(run_dir / f"model_{2 * STEPS}" / "model.safetensors")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    assert model.config.norm_type == "pre"
+
+
+def test_resume_is_bit_exact(shared_run, tmp_path):
+    run_dir, _ = shared_run
+    resumed = tmp_path / "resumed"
+    proc = run_main([*SHARED_RUN, "--continue_from", str(run_dir / f"model_{STEPS}"), "--save_dir", str(resumed)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    full, second_half = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
+    assert [r["step"] for r in second_half] == list(range(STEPS + 1, 2 * STEPS + 1))
+    for key in ("loss", "grad_norm", "lr", "tokens_seen"):
+        assert [r[key] for r in second_half] == [r[key] for r in full[STEPS:]], key
+    assert second_half[-1]["eval_loss"] == full[-1]["eval_loss"]
+    uninterrupted = load_file(run_dir / f"model_{2 * STEPS}" / "model.safetensors")
+    after_resume = load_file(resumed / f"model_{2 * STEPS}" / "model.safetensors")
+    assert uninterrupted.keys() == after_resume.keys()
+    assert all(torch.equal(uninterrupted[k], after_resume[k]) for k in uninterrupted)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Divergence
+# --------------------------------------------------------------------------------------------------------------
+
+def test_post_ln_with_a_huge_lr_diverges_cleanly(tmp_path):
+    run_dir = tmp_path / "post"
+    proc = run_main([*TINY, "--norm_type", "post", "--lr", "1e3", "--warmup_steps", "0", "--grad_clipping", "0",
+                     "--num_training_steps", "20", "--eval_every", "100", "--save_dir", str(run_dir)])
+    assert proc.returncode == EXIT_DIVERGED, proc.stderr[-3000:]
+    results = json.loads((run_dir / "results.json").read_text())
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert results["status"] == "diverged" and "non-finite" in results["diverged_reason"]
+    assert results["step"] == rows[-1]["step"] < 20
+    assert [r["step"] for r in rows] == list(range(1, results["step"] + 1))  # every step so far is kept
+    assert rows[-1]["diverged"] == results["diverged_reason"]
+    assert (run_dir / "loss_curve.png").is_file()
+    assert not list(run_dir.glob("model_*"))
+
+
+def test_a_diverging_resume_keeps_checkpoints_and_metrics(shared_run, tmp_path):
+    source, _ = shared_run
+    run_dir = tmp_path / "copy"
+    shutil.copytree(source, run_dir)
+    checkpoints_before = {p.name: tree_hashes(p) for p in run_dir.glob("model_*")}
+    old_rows = read_jsonl(run_dir / "metrics.jsonl")
+    # The spike rule: any loss above 0.01 counts as divergence, so the first resumed update diverges.
+    proc = run_main([*SHARED_RUN, "--continue_from", str(run_dir / f"model_{STEPS}"), "--divergence_loss", "0.01"])
+    assert proc.returncode == EXIT_DIVERGED, proc.stderr[-3000:]
+    assert {p.name: tree_hashes(p) for p in run_dir.glob("model_*")} == checkpoints_before
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["status"] == "diverged" and results["step"] == STEPS + 1
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert rows[:STEPS] == old_rows[:STEPS] and rows[STEPS]["step"] == STEPS + 1 and "diverged" in rows[STEPS]
+    assert read_jsonl(run_dir / "metrics_superseded.jsonl") == old_rows[STEPS:]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Schedule and evaluation (in process)
+# --------------------------------------------------------------------------------------------------------------
+
+def _lrs(scheduler_type, lr, steps, warmup, min_ratio, resume_at=0):
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=lr)
+    if resume_at:
+        optimizer.param_groups[0]["initial_lr"] = lr
+    scheduler = build_scheduler(optimizer, scheduler_type=scheduler_type, num_training_steps=steps,
+                                warmup_steps=warmup, min_lr_ratio=min_ratio, lr=lr, resume_at=resume_at)
+    used = []
+    for _ in range(steps - resume_at):
+        used.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return used
+
+
+@pytest.mark.parametrize("scheduler_type", ["cosine", "linear"])
+def test_schedule_warmup_peak_and_floor(scheduler_type):
+    lr, steps, warmup, min_ratio = 1e-3, 40, 8, 0.1
+    used = _lrs(scheduler_type, lr, steps, warmup, min_ratio)
+    assert len(used) == steps  # exactly num_training_steps updates
+    assert used[0] == pytest.approx(lr / warmup)  # the first update learns
+    assert used[warmup - 1] == pytest.approx(lr)  # the end of warmup is the peak
+    assert used[-1] == pytest.approx(min_ratio * lr)  # the last update is the floor
+    assert all(a < b for a, b in zip(used[:warmup - 1], used[1:warmup]))
+    assert all(a >= b for a, b in zip(used[warmup - 1:], used[warmup:]))
+    halfway = warmup - 1 + (steps - warmup) // 2  # decay progress exactly 1/2 here
+    middle = 0.5 * (1 + math.cos(math.pi / 2)) if scheduler_type == "cosine" else 0.5
+    assert used[halfway] == pytest.approx(lr * (min_ratio + (1 - min_ratio) * middle))
+
+
+def test_schedule_without_warmup_starts_at_the_peak_and_resumes_in_place():
+    used = _lrs("cosine", 2e-3, 10, 0, 0.1)
+    assert used[0] == pytest.approx(2e-3) and used[-1] == pytest.approx(2e-4)
+    full = _lrs("cosine", 1e-3, 30, 5, 0.1)
+    assert _lrs("cosine", 1e-3, 30, 5, 0.1, resume_at=12) == pytest.approx(full[12:])
+
+
+def test_evaluation_is_token_weighted_over_exactly_eval_tokens():
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer("embedded")
+    model = LlamaForCausalLM(build_config(REPO / "configs/llama_tiny.json"))
+    eval_tokens = 777  # not a multiple of the batch: the last batch is trimmed
+    batches = list(iter_eval_batches(dataset="embedded", dataset_path=None, tokenizer=tokenizer, max_length=32,
+                                     packing=False, batch_size=4, eval_tokens=eval_tokens, rank=0, world_size=1))
+    result = evaluate(model, batches, device=torch.device("cpu"), eval_tokens=eval_tokens, show_progress=False)
+    assert result["eval_tokens"] == eval_tokens
+    # Independent recomputation: the model's per-batch mean loss weighted by that batch's target count.
+    with torch.no_grad():
+        weighted = sum(model(**b).loss.double() * count_target_tokens(b["labels"]) for b in batches)
+    assert result["eval_loss"] == pytest.approx(float(weighted) / eval_tokens, rel=1e-6)
+    assert result["eval_ppl"] == pytest.approx(math.exp(result["eval_loss"]))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------------------------
+
+BASE = ["--model_config", "configs/llama_tiny.json", "--batch_size", "4"]
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--optimizer", "sgd"], "--optimizer"),
+    (["--norm_type", "bogus"], "--norm_type"),
+    (["--model_config", "configs/does_not_exist.json"], "--model_config"),
+    (["--dataset_path", "/nonexistent/corpus"], "--dataset_path"),
+    (["--total_batch_size", "10"], "--total_batch_size"),
+    (["--gradient_accumulation", "2", "--total_batch_size", "16"], "--gradient_accumulation"),
+    (["--continue_from", "/nonexistent/checkpoint"], "--continue_from"),
+    (["--warmup_steps", "50", "--num_training_steps", "50"], "--warmup_steps"),
+    (["--norm_type", "post_pre"], "--post_num"),
+])
+def test_bad_values_are_one_line_errors_naming_the_flag(extra, flag, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit) as exit_info:
+        args_utils.parse_args([*BASE, *extra], world_size=1)
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err.strip()
+    assert len(message.splitlines()) == 1 and flag in message, message
+
+
+def test_environment_norm_type_is_case_insensitive_and_flags_win(monkeypatch):
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("NORM_TYPE", "LNS")
+    monkeypatch.setenv("POST_NUM", "3")
+    args = args_utils.parse_args(BASE, world_size=1)
+    assert (args.norm_type, args.post_num) == ("lns", 3)
+    assert args_utils.parse_args([*BASE, "--norm_type", "Post_Pre"], world_size=1).norm_type == "post_pre"
+    monkeypatch.setenv("NORM_TYPE", "cod")
+    with pytest.raises(SystemExit):
+        args_utils.parse_args(BASE, world_size=1)
+
+
+def test_batch_arithmetic_and_token_budget(monkeypatch):
+    monkeypatch.chdir(REPO)
+    args = args_utils.parse_args([*BASE, "--total_batch_size", "32"], world_size=2)
+    assert args.gradient_accumulation == 32 // (4 * 2)
+    args = args_utils.parse_args([*BASE, "--total_batch_size", "512", "--max_train_tokens", "1.5M",
+                                  "--warmup_steps", "0"], world_size=1)
+    assert args.num_training_steps == math.ceil(1_500_000 / (512 * 256))  # tokens, not sequences
+
+
+def test_corrupt_checkpoint_is_a_clear_error_and_creates_nothing(shared_run, tmp_path):
+    run_dir, _ = shared_run
+    broken = tmp_path / "broken"
+    shutil.copytree(run_dir / f"model_{STEPS}", broken)
+    state = (broken / "training_state.pt").read_bytes()
+    (broken / "training_state.pt").write_bytes(state[: len(state) // 2])
+    out = tmp_path / "out"
+    proc = run_main([*SHARED_RUN, "--continue_from", str(broken), "--save_dir", str(out)])
+    assert proc.returncode == 2
+    error_lines = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(error_lines) == 1 and "--continue_from" in error_lines[0] and "corrupt" in error_lines[0]
+    assert not out.exists()
+
+
+def test_wandb_without_api_key_runs_offline_without_prompting(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(tmp_path), WANDB_DIR=str(tmp_path / "wandb_dir"), WANDB_CONFIG_DIR=str(tmp_path / "cfg"),
+               WANDB_CACHE_DIR=str(tmp_path / "cache"), WANDB_DATA_DIR=str(tmp_path / "data"))
+    run_dir = tmp_path / "run"
+    proc = run_main([*TINY, "--num_training_steps", "2", "--warmup_steps", "0", "--eval_every", "100",
+                     "--eval_tokens", "200", "--save_dir", str(run_dir)], env=env, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list((run_dir / "wandb").glob("offline-run-*")), "expected an offline wandb run inside the run folder"
+
+
+def test_paper_script_passes_norm_post_num_and_extra_flags(tmp_path):
+    """bash run_130m.sh LNS 3 <overrides>: torchrun, one process, pure bf16 weights as in the paper."""
+    env = dict(os.environ, NPROC="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    run_dir = tmp_path / "script"
+    proc = subprocess.run(
+        ["bash", "run_130m.sh", "LNS", "3", *TINY, "--dtype", "bfloat16", "--batch_size", "2",
+         "--total_batch_size", "2", "--num_training_steps", "2", "--warmup_steps", "1", "--eval_tokens", "200",
+         "--save_dir", str(run_dir)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((run_dir / "results.json").read_text())
+    assert (results["norm_type"], results["post_num"], results["status"]) == ("lns", 3, "finished")
+    assert read_jsonl(run_dir / "metrics.jsonl")[0]["lr"] == pytest.approx(1e-3)  # the script's lr, warmup 1
+    weights = load_file(run_dir / "model_2" / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
