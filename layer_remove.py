@@ -174,7 +174,8 @@ def save_sweep(rows: list[dict], output_dir: Path, metadata: dict) -> list[Path]
                              for key, value in row.items()})
     json_path = output_dir / "layer_removal.json"
     json_path.write_text(json.dumps(dict(metadata, rows=rows), indent=1))
-    return [csv_path, json_path, plot_sweep(rows, output_dir / "layer_removal.png", metadata.get("model_path", ""))]
+    model_name = Path(str(metadata.get("model_path", "")).rstrip("/")).name
+    return [csv_path, json_path, plot_sweep(rows, output_dir / "layer_removal.png", model_name)]
 
 
 def plot_sweep(rows: list[dict], path: Path, title: str) -> Path:
@@ -183,6 +184,7 @@ def plot_sweep(rows: list[dict], path: Path, title: str) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     tasks = list(dict.fromkeys(row["task"] for row in rows))
     fig, axes = plt.subplots(len(tasks), 1, figsize=(max(6.0, 0.25 * len(rows) / len(tasks) + 2), 3.2 * len(tasks)),
@@ -196,9 +198,10 @@ def plot_sweep(rows: list[dict], path: Path, title: str) -> Path:
                color=["tab:red" if drop > 0 else "tab:blue" for drop in drops])
         ax.axhline(0.0, color="black", linewidth=0.6)
         metric = baseline["metric"].split(",")[0]
-        ax.set_ylabel(f"drop in {metric}")
+        ax.set_ylabel(f"drop in {metric}\n(positive = worse)")
         ax.set_xlabel("removed layer index $\\ell$")
-        ax.set_title(f"{title} | {task}: baseline {metric} = {baseline['value']:.4g} (positive = worse)", fontsize=9)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.set_title(f"{title}: {task}, baseline {metric} = {baseline['value']:.4g}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=200)
     plt.close(fig)
@@ -226,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"text for {lm_eval_tasks.HELDOUT_PERPLEXITY_TASK} (default: embedded held-out novel)")
     parser.add_argument("--task_max_documents", type=int, default=None,
                         help=f"keep only the first N documents in {lm_eval_tasks.HELDOUT_PERPLEXITY_TASK}")
-    parser.add_argument("--output_dir", default="outputs/layer_removal", help="where the sweep table and plot go")
+    parser.add_argument("--output_dir", default="runs/analysis/layer_removal", help="where the sweep table and plot go")
     return parser
 
 

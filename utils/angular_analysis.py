@@ -33,8 +33,8 @@ _CHUNK_BYTES = 256 * 1024 * 1024
 class AngularDistanceAccumulator:
     """Running sums of angular distances over tokens for every pair of depths.
 
-    Cosines are computed in float64 from float32 states: arccos is ill-conditioned near cos = 1, where deep
-    Pre-LN layers live, and float32 rounding there alone would read as an angle of ~1e-4 * pi.
+    States arrive in float32; their dot products are accumulated in float64, because arccos is ill-conditioned
+    near cos = 1 (where deep Pre-LN layers live) and float32 rounding there alone would read as ~1e-4 * pi.
     """
 
     def __init__(self, num_layers: int):
@@ -46,11 +46,18 @@ class AngularDistanceAccumulator:
         if len(states) != self.num_layers + 1:
             raise ValueError(f"expected {self.num_layers + 1} states, got {len(states)}")
         num_tokens, hidden = states[0].shape
-        chunk = max(1, _CHUNK_BYTES // (8 * (self.num_layers + 1) * hidden))
+        depth = self.num_layers + 1
+        chunk = max(1, _CHUNK_BYTES // (8 * depth * hidden))
         for start in range(0, num_tokens, chunk):
-            stacked = torch.stack([state[start:start + chunk] for state in states], dim=1).double()
-            unit = stacked / stacked.norm(dim=-1, keepdim=True).clamp_min(1e-300)
-            cosines = (unit @ unit.transpose(1, 2)).clamp_(-1.0, 1.0)  # [tokens, L+1, L+1]
+            stop = min(start + chunk, num_tokens)
+            # One float64 copy, token-major, then one Gram matrix per token: dot products of float32 values are
+            # exact in float64, so cos = G_lm / sqrt(G_ll G_mm) keeps its precision near 1.
+            stacked = torch.empty(stop - start, depth, hidden, dtype=torch.float64, device=states[0].device)
+            for index, state in enumerate(states):
+                stacked[:, index] = state[start:stop]
+            gram = stacked @ stacked.transpose(1, 2)  # [tokens, L+1, L+1]
+            norms = gram.diagonal(dim1=1, dim2=2).sqrt().clamp_min(1e-300)
+            cosines = (gram / (norms[:, :, None] * norms[:, None, :])).clamp_(-1.0, 1.0)
             self.angle_sums += (torch.arccos(cosines) / math.pi).sum(dim=0).cpu()
         self.num_tokens += num_tokens
 
@@ -141,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model_io.add_model_arguments(parser)
     model_io.add_text_arguments(parser, default_num_tokens=256 * 1024)
-    parser.add_argument("--output_dir", default="outputs/angular", help="where the CSV, JSON, PNG and PDF go")
+    parser.add_argument("--output_dir", default="runs/analysis/angular", help="where the CSV, JSON, PNG and PDF go")
     parser.add_argument("--normalize_rows", action="store_true",
                         help="plot each row min-max scaled to [0, 1] as the reference did (files keep raw values)")
     return parser

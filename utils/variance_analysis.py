@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="weights dtype; auto = bfloat16 on GPU, float32 on CPU (statistics are float64)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     model_io.add_text_arguments(parser, default_num_tokens=65536)
-    parser.add_argument("--output_dir", default="outputs/variance", help="where the CSV, JSON and PNG go")
+    parser.add_argument("--output_dir", default="runs/analysis/variance", help="where the CSV, JSON and PNG go")
     return parser
 
 
