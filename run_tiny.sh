@@ -3,6 +3,7 @@
 #   bash run_tiny.sh NORM_TYPE [POST_NUM] [extra torchrun_main.py flags]      e.g. bash run_tiny.sh LNS
 # Writes runs/tiny_<norm>-<time>/ (metrics.jsonl, results.json, loss_curve.png, model_<step>/) and prints the paths.
 # PYTHON picks the interpreter (default: python); NPROC=2 runs two CPU processes through torchrun (gloo).
+# On a busy machine OMP_NUM_THREADS=1 is much faster (threads of one process stop waiting on each other).
 set -euo pipefail
 cd "$(dirname "$0")"
 norm_type=${1:?usage: bash run_tiny.sh NORM_TYPE [POST_NUM] [extra torchrun_main.py flags]}
@@ -26,8 +27,8 @@ exec "${launcher[@]}" torchrun_main.py \
     --device cpu \
     --dtype float32 \
     --lr 2e-3 \
-    --batch_size 16 \
-    --total_batch_size $((16 * nproc)) \
+    --batch_size 8 \
+    --total_batch_size $((8 * nproc)) \
     --max_length 128 \
     --num_training_steps 150 \
     --warmup_steps 15 \
