@@ -6,6 +6,7 @@ losses average to the single-process mean. What remains is float summation order
 LOSS_RTOL (measured differences are ~1e-5 relative).
 """
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,8 +25,10 @@ LOSS_RTOL = 1e-3
 
 
 def launch(launcher, args, timeout=300):
+    # One intra-op thread per rank: 2 ranks on 2 cores, and a fixed float reduction order for the exact resume check.
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     proc = subprocess.run([*launcher, "torchrun_main.py", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+                          timeout=timeout, stdin=subprocess.DEVNULL, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 

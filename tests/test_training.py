@@ -29,7 +29,13 @@ SHARED_RUN = [*TINY, "--lr", "3e-3", "--warmup_steps", "2", "--num_training_step
               "--eval_every", str(STEPS), "--save_every", str(STEPS)]
 
 
+# One intra-op thread per process: CPU float reductions then have one fixed order whatever the machine's load
+# (bit-exact comparisons between processes), and a busy shared machine is not slowed by threads waiting on each other.
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
 def run_main(args, env=None, timeout=240):
+    env = dict(env if env is not None else os.environ, **ONE_THREAD)
     return subprocess.run([sys.executable, "torchrun_main.py", *args], cwd=REPO, capture_output=True, text=True,
                           env=env, timeout=timeout, stdin=subprocess.DEVNULL)
 
@@ -277,7 +283,7 @@ def test_wandb_without_api_key_runs_offline_without_prompting(tmp_path):
 
 def test_paper_script_passes_norm_post_num_and_extra_flags(tmp_path):
     """bash run_130m.sh LNS 3 <overrides>: torchrun, one process, pure bf16 weights as in the paper."""
-    env = dict(os.environ, NPROC="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env = dict(os.environ, **ONE_THREAD, NPROC="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     run_dir = tmp_path / "script"
     proc = subprocess.run(
         ["bash", "run_130m.sh", "LNS", "3", *TINY, "--dtype", "bfloat16", "--batch_size", "2",
