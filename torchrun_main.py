@@ -124,6 +124,15 @@ def grad_sync(model, is_last_micro_batch: bool):
     return contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def user_errors():
+    """The data pipeline raises ValueError naming the flag (--tokenizer, --dataset, ...): report it as bad input."""
+    try:
+        yield
+    except ValueError as err:
+        raise BadInput(str(err)) from err
+
+
 def autocast_for(args, device):
     if args.dtype == "mixed":
         return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
@@ -140,20 +149,13 @@ def main(argv=None) -> int:
     rank, world_size, device = init_distributed(args)
     try:
         return train(args, rank, world_size, device)
-    except (BadInput, training_utils.CheckpointError, ValueError) as err:
-        if not isinstance(err, (BadInput, training_utils.CheckpointError)) and not _is_user_error(err):
-            raise
+    except (BadInput, training_utils.CheckpointError) as err:
         if rank == 0:
             print(f"{parser.prog}: error: {' '.join(str(err).split())}", file=sys.stderr)  # one line
         return 2
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _is_user_error(err: ValueError) -> bool:
-    """ValueErrors from the data pipeline name the flag they come from (--tokenizer, --dataset, ...)."""
-    return str(err).startswith("--") or "cannot resume" in str(err)
 
 
 def train(args, rank: int, world_size: int, device) -> int:
@@ -164,7 +166,8 @@ def train(args, rank: int, world_size: int, device) -> int:
             tqdm.write(message)
 
     training_utils.seed_everything(args.seed)
-    tokenizer = load_tokenizer(args.tokenizer)
+    with user_errors():
+        tokenizer = load_tokenizer(args.tokenizer)
     config = build_model_config(args, tokenizer, log)
 
     # ---- model --------------------------------------------------------------------------------------------
@@ -176,6 +179,9 @@ def train(args, rank: int, world_size: int, device) -> int:
         if resume_state["world_size"] != world_size:
             raise BadInput(f"--continue_from {args.continue_from}: saved with world size {resume_state['world_size']}, "
                            f"this run has {world_size} (the data position is per rank)")
+        if resume_state["update_step"] >= args.num_training_steps:
+            raise BadInput(f"--num_training_steps {args.num_training_steps}: the checkpoint is already at step "
+                           f"{resume_state['update_step']}")
         weights = training_utils.load_model_weights(args.continue_from)
         try:
             model.load_state_dict(weights, strict=True)
@@ -192,36 +198,36 @@ def train(args, rank: int, world_size: int, device) -> int:
         f"init={config.init_method} params={n_params / 1e6:.2f}M dtype={args.dtype} device={device} "
         f"world_size={world_size} wrap={'fsdp2' if args.fsdp else 'ddp' if world_size > 1 else 'none'}")
 
-    run_dir = resolve_run_dir(args, rank)  # only now: a bad checkpoint or tokenizer leaves no empty run folder
+    # ---- data: open both splits now, so a wrong name or a missing split fails before any training ----------
+    data_source = dict(dataset=args.dataset, dataset_path=args.dataset_path, dataset_config=args.dataset_config,
+                       tokenizer=tokenizer, max_length=args.max_length, packing=args.packing)
+    with user_errors():
+        stream = build_train_stream(**data_source, batch_size=args.batch_size, seed=args.seed, rank=rank,
+                                    world_size=world_size, num_workers=args.workers)
+        next(iter_eval_batches(**data_source, batch_size=1, eval_tokens=world_size, rank=rank,
+                               world_size=world_size), None)
+        if resume_state is not None:
+            stream.load_state_dict(resume_state["data"][rank])
+
+    run_dir = resolve_run_dir(args, rank)  # only now: bad input above leaves no empty run folder behind
     train_model = wrap_model(model, args, world_size, device)
     optimizer = training_utils.build_optimizer(train_model.parameters(), args.optimizer, args.lr, args.weight_decay)
-    scheduler = training_utils.build_scheduler(optimizer, scheduler_type=args.scheduler,
-                                               num_training_steps=args.num_training_steps,
-                                               warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio)
-    stream = build_train_stream(dataset=args.dataset, dataset_path=args.dataset_path, tokenizer=tokenizer,
-                                max_length=args.max_length, packing=args.packing, batch_size=args.batch_size,
-                                seed=args.seed, rank=rank, world_size=world_size, num_workers=args.workers,
-                                dataset_config=args.dataset_config)
     update_step, tokens_seen = 0, 0
     if resume_state is not None:
         training_utils.load_optimizer_state(train_model, optimizer, resume_state["optimizer"])
         update_step, tokens_seen = resume_state["update_step"], resume_state["tokens_seen"]
-        # The schedule continues at update_step with this command line's --lr/--warmup_steps/... (pass the same
-        # flags for an exact resume; differences are listed below).
-        scheduler = training_utils.build_scheduler(optimizer, scheduler_type=args.scheduler,
-                                                   num_training_steps=args.num_training_steps,
-                                                   warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio,
-                                                   lr=args.lr, weight_decay=args.weight_decay,
-                                                   resume_at=update_step)
-        stream.load_state_dict(resume_state["data"][rank])
-        training_utils.restore_rng_state(resume_state["rng"][rank])
+    # On resume the schedule continues at update_step with this command line's --lr/--warmup_steps/...
+    # (pass the same flags for an exact resume; differences are printed below).
+    scheduler = training_utils.build_scheduler(optimizer, scheduler_type=args.scheduler,
+                                               num_training_steps=args.num_training_steps,
+                                               warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio,
+                                               lr=args.lr, weight_decay=args.weight_decay, resume_at=update_step)
+    if resume_state is not None:
+        training_utils.restore_rng_state(resume_state["rng"][rank])  # last, after everything that draws numbers
         log(f"resumed from {args.continue_from}: update step {update_step}, tokens seen {tokens_seen}")
         for flag, (saved, now) in training_utils.changed_flags(resume_state.get("args", {}), vars(args)).items():
             log(f"note: --{flag} is {now!r} now, {saved!r} in the checkpoint's run (using {now!r})")
         del resume_state
-    if update_step >= args.num_training_steps:
-        raise BadInput(f"--num_training_steps {args.num_training_steps}: the checkpoint is already at step "
-                       f"{update_step}")
 
     # ---- logging --------------------------------------------------------------------------------------------
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
@@ -238,10 +244,8 @@ def train(args, rank: int, world_size: int, device) -> int:
     autocast = autocast_for(args, device)
 
     def run_eval() -> dict:
-        batches = iter_eval_batches(dataset=args.dataset, dataset_path=args.dataset_path, tokenizer=tokenizer,
-                                    max_length=args.max_length, packing=args.packing,
-                                    batch_size=args.eval_batch_size, eval_tokens=args.eval_tokens, rank=rank,
-                                    world_size=world_size, dataset_config=args.dataset_config)
+        batches = iter_eval_batches(**data_source, batch_size=args.eval_batch_size, eval_tokens=args.eval_tokens,
+                                    rank=rank, world_size=world_size)
         return training_utils.evaluate(train_model if args.fsdp else model, batches, device=device,
                                        eval_tokens=args.eval_tokens, autocast=autocast, lockstep=args.fsdp,
                                        show_progress=is_main)

@@ -315,6 +315,8 @@ def load_training_state(checkpoint: str) -> dict:
 
 
 def load_optimizer_state(model, optimizer, optimizer_state: dict):
+    for group in optimizer.param_groups:  # the saved groups carry the scheduler's key; build_scheduler resets it
+        group.setdefault("initial_lr", group["lr"])
     options = StateDictOptions(full_state_dict=True)
     set_optimizer_state_dict(model, optimizer, optim_state_dict=optimizer_state, options=options)
 
