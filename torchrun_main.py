@@ -144,14 +144,13 @@ def autocast_for(args, device):
 # ----------------------------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
-    parser = args_utils.build_parser()
     args = args_utils.parse_args(argv)
     rank, world_size, device = init_distributed(args)
     try:
         return train(args, rank, world_size, device)
     except (BadInput, training_utils.CheckpointError) as err:
         if rank == 0:
-            print(f"{parser.prog}: error: {' '.join(str(err).split())}", file=sys.stderr)  # one line
+            print(f"torchrun_main.py: error: {' '.join(str(err).split())}", file=sys.stderr)  # one line
         return 2
     finally:
         if dist.is_initialized():

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from peft_pretraining import args_utils
-from peft_pretraining.dataloader import count_target_tokens, iter_eval_batches, load_tokenizer
+from peft_pretraining.dataloader import build_train_stream, count_target_tokens, iter_eval_batches, load_tokenizer
 from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config
 from peft_pretraining.training_utils import EXIT_DIVERGED, build_scheduler, evaluate, lr_factor
 
@@ -81,7 +81,12 @@ def test_tiny_run_lowers_eval_loss_and_fills_the_run_folder(shared_run):
     assert results["status"] == "finished" and results["step"] == 2 * STEPS
     assert results["final_eval_loss"] == evals[-1]["eval_loss"]
     assert results["eval_tokens"] == 1000
-    assert results["tokens_seen"] == rows[-1]["tokens_seen"] > 0
+    assert results["tokens_seen"] == rows[-1]["tokens_seen"]
+    # tokens_seen counts the non-pad tokens of exactly the batches trained on (same stream rebuilt here).
+    stream = build_train_stream(dataset="embedded", dataset_path=None, tokenizer=load_tokenizer("embedded"),
+                                max_length=32, packing=False, batch_size=4, seed=1, rank=0, world_size=1)
+    per_step = [int(next(stream)["attention_mask"].sum()) for _ in range(2 * STEPS)]
+    assert [r["tokens_seen"] for r in rows] == [sum(per_step[:i + 1]) for i in range(2 * STEPS)]
     assert (run_dir / "loss_curve.png").stat().st_size > 1000
     for step in (STEPS, 2 * STEPS):
         checkpoint = run_dir / f"model_{step}"
