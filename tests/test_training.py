@@ -301,3 +301,20 @@ def test_paper_script_passes_norm_post_num_and_extra_flags(tmp_path):
     assert read_jsonl(run_dir / "metrics.jsonl")[0]["lr"] == pytest.approx(1e-3)  # the script's lr, warmup 1
     weights = load_file(run_dir / "model_2" / "model.safetensors")
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+
+
+def test_vocab_is_resized_up_to_cover_the_tokenizer(tmp_path, monkeypatch):
+    import torchrun_main
+
+    tokenizer = load_tokenizer("embedded")
+    config_json = json.loads((REPO / "configs/llama_tiny.json").read_text())
+    config_json["vocab_size"] = len(tokenizer) - 100  # like the paper configs (32000) against t5-base (32100 ids)
+    small = tmp_path / "small_vocab.json"
+    small.write_text(json.dumps(config_json))
+    monkeypatch.chdir(REPO)
+    args = args_utils.parse_args(["--model_config", str(small), "--batch_size", "4", "--dataset", "embedded"],
+                                 world_size=1)
+    messages = []
+    config = torchrun_main.build_model_config(args, tokenizer, messages.append)
+    assert config.vocab_size == math.ceil(len(tokenizer) / 64) * 64 >= len(tokenizer)
+    assert len(messages) == 1 and str(config.vocab_size) in messages[0]
