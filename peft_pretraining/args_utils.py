@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     data = p.add_argument_group("data")
     data.add_argument("--dataset", type=str, default="allenai/c4",
                       help=f"hub dataset streamed by name, or '{DATASET_EMBEDDED}' for the offline corpus in data/")
-    data.add_argument("--dataset_config", type=str, default="en")
+    data.add_argument("--dataset_config", type=str, default=None,
+                      help="hub dataset config (default: en for allenai/c4, none otherwise)")
     data.add_argument("--dataset_path", type=str, default=None,
                       help="local .txt/.json/.jsonl file or folder of them (overrides --dataset)")
     data.add_argument("--tokenizer", type=str, default=None,
