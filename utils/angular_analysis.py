@@ -148,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model_io.add_model_arguments(parser)
     model_io.add_text_arguments(parser, default_num_tokens=256 * 1024)
+    model_io.add_threads_argument(parser)
     parser.add_argument("--output_dir", default="runs/analysis/angular", help="where the CSV, JSON, PNG and PDF go")
     parser.add_argument("--normalize_rows", action="store_true",
                         help="plot each row min-max scaled to [0, 1] as the reference did (files keep raw values)")
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> np.ndarray:
     parser = build_parser()
     args = parser.parse_args(argv)
     model_io.check_positive(parser, args, "num_tokens", "max_seq_len", "batch_size")
+    model_io.apply_threads(parser, args)
     try:
         device = model_io.resolve_device(args.device)
         dtype = model_io.resolve_dtype(args.dtype, device)
@@ -167,7 +169,10 @@ def main(argv: list[str] | None = None) -> np.ndarray:
 
     model, tokenizer = model_io.load_model_and_tokenizer(args.model_path, dtype, device, args.tokenizer)
     batches = model_io.token_batches(tokenizer, source, args.max_seq_len, args.num_tokens, args.batch_size)
-    matrix, num_tokens = compute_angular_distances(model, batches, total_tokens=args.num_tokens, device=device)
+    try:
+        matrix, num_tokens = compute_angular_distances(model, batches, total_tokens=args.num_tokens, device=device)
+    except ValueError as err:  # an empty text
+        parser.error(f"--text_file/--dataset: {err}")
     if num_tokens < args.num_tokens:
         print(f"[angular] the text has only {num_tokens} tokens (asked for {args.num_tokens})", file=sys.stderr)
 

@@ -1,7 +1,7 @@
 """Time the angular analysis on a SmolLM-135M-shaped model (30 layers) with random weights, built locally.
 
     python utils/benchmark_angular.py                         # 64K tokens of the embedded held-out novel
-    python utils/benchmark_angular.py --dtypes bfloat16 --batch_size 16
+    python utils/benchmark_angular.py --dtypes bfloat16 --threads 1     # the figure quoted in the README
 
 Prints, per dtype, the wall time and this process's CPU time of the whole analysis (tokenise, forward with hooks,
 angular sums) and tokens per second. On a shared machine the wall time includes waiting for the cores; CPU time / 2
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated; each is timed separately")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    model_io.add_threads_argument(parser)
     parser.add_argument("--text_file", default=str(model_io.EMBEDDED_HELDOUT_TEXT))
     args = parser.parse_args(argv)
     model_io.check_positive(parser, args, "num_tokens", "max_seq_len", "batch_size")
@@ -62,8 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [name for name in dtype_names if name not in model_io.DTYPES]
     if unknown or not dtype_names:
         parser.error(f"--dtypes: {args.dtypes!r}; choose from {', '.join(model_io.DTYPES)}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    model_io.apply_threads(parser, args)
     device = model_io.resolve_device(args.device)
     tokenizer = AutoTokenizer.from_pretrained(str(model_io.REPO_TOKENIZER))
     for dtype_name in dtype_names:

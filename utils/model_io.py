@@ -325,6 +325,17 @@ def add_model_arguments(parser, default_model: str | None = "Qwen/Qwen3-8B") -> 
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
 
 
+def add_threads_argument(parser) -> None:
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch (default: torch's choice; 1 is fastest on a busy shared CPU)")
+
+
+def apply_threads(parser, args) -> None:
+    if args.threads is not None:
+        check_positive(parser, args, "threads")
+        torch.set_num_threads(args.threads)
+
+
 def add_text_arguments(parser, default_num_tokens: int) -> None:
     parser.add_argument("--dataset", default="c4", choices=TEXT_SOURCES,
                         help="c4: C4 en validation streamed from the hub, falling back to the embedded held-out "

@@ -111,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="weights dtype; auto = bfloat16 on GPU, float32 on CPU (statistics are float64)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     model_io.add_text_arguments(parser, default_num_tokens=65536)
+    model_io.add_threads_argument(parser)
     parser.add_argument("--output_dir", default="runs/analysis/variance", help="where the CSV, JSON and PNG go")
     return parser
 
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = build_parser()
     args = parser.parse_args(argv)
     model_io.check_positive(parser, args, "num_tokens", "max_seq_len", "batch_size")
+    model_io.apply_threads(parser, args)
     labels = args.labels or [Path(path.rstrip("/")).name for path in args.model_paths]
     if len(labels) != len(args.model_paths):
         parser.error(f"--labels: got {len(labels)} labels for {len(args.model_paths)} models")
@@ -133,7 +135,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for label, model_path in zip(labels, args.model_paths):
         model, tokenizer = model_io.load_model_and_tokenizer(model_path, dtype, device, args.tokenizer)
         batches = model_io.token_batches(tokenizer, source, args.max_seq_len, args.num_tokens, args.batch_size)
-        statistics, num_tokens = residual_statistics(model, batches, args.num_tokens, device, desc=label)
+        try:
+            statistics, num_tokens = residual_statistics(model, batches, args.num_tokens, device, desc=label)
+        except ValueError as err:  # an empty text
+            parser.error(f"--text_file/--dataset: {err}")
         results.append(dict(label=label, model_path=model_path, num_tokens=num_tokens, **statistics))
         del model
     source_name = "C4 en validation" if source[0] == "c4" else str(source[1])
