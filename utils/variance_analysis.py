@@ -83,6 +83,7 @@ def plot_results(results: list[dict], path: Path, text_name: str) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for result in results:
@@ -91,6 +92,7 @@ def plot_results(results: list[dict], path: Path, text_name: str) -> Path:
         axes[1].plot(depths, result["rms"], marker="o", markersize=3, label=result["label"])
     for ax, name in zip(axes, ("variance", "RMS norm")):
         ax.set_yscale("log")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.set_xlabel("depth (0 = embeddings, l = after layer l)")
         ax.set_ylabel(f"residual-stream {name}")
         ax.grid(True, which="both", alpha=0.3)
