@@ -197,6 +197,10 @@ def plot_sweep(rows: list[dict], path: Path, title: str) -> Path:
         ax.bar([row["removed_layer"] for row in pruned], drops,
                color=["tab:red" if drop > 0 else "tab:blue" for drop in drops])
         ax.axhline(0.0, color="black", linewidth=0.6)
+        magnitudes = sorted(abs(drop) for drop in drops if drop)
+        if magnitudes and magnitudes[-1] > 50 * magnitudes[len(magnitudes) // 2]:
+            # One layer (typically the first) dwarfs the rest: a symmetric log scale keeps the others visible.
+            ax.set_yscale("symlog", linthresh=magnitudes[len(magnitudes) // 2])
         metric = baseline["metric"].split(",")[0]
         ax.set_ylabel(f"drop in {metric}\n(positive = worse)")
         ax.set_xlabel("removed layer index $\\ell$")
