@@ -145,3 +145,34 @@ def test_bad_flags_are_one_line_errors_naming_the_flag(tmp_path, capsys, flags, 
     assert exit_info.value.code == 2
     assert named in capsys.readouterr().err.strip().splitlines()[-1]
     assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- shared helper (utils/model_io.py)
+def test_text_source_rule_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    assert model_io.resolve_text_source("c4", None) == ("file", model_io.EMBEDDED_HELDOUT_TEXT)  # hub unreachable
+    assert model_io.resolve_text_source("embedded", None) == ("file", model_io.EMBEDDED_HELDOUT_TEXT)
+    text = tmp_path / "mine.txt"
+    text.write_text("one document\n\nstill the same document")
+    assert model_io.resolve_text_source("c4", str(text)) == ("file", text)  # --text_file wins
+    assert list(model_io.read_documents(text)) == ["one document\n\nstill the same document"]
+
+
+def test_windows_stop_at_exactly_num_tokens_and_never_span_documents():
+    tokenizer = model_io.load_tokenizer(str(model_io.REPO_TOKENIZER))
+    documents = heldout_documents(3)
+    lengths = [len(tokenizer(d, add_special_tokens=False)["input_ids"]) for d in documents]
+    windows = list(model_io.token_windows(tokenizer, documents, max_seq_len=64, num_tokens=10**9))
+    assert sum(map(len, windows)) == sum(lengths)
+    assert len(windows) == sum(-(-length // 64) for length in lengths)  # per-document ceil: no shared windows
+    limited = list(model_io.token_windows(tokenizer, documents, max_seq_len=64, num_tokens=150))
+    assert sum(map(len, limited)) == 150 and max(map(len, limited)) <= 64
+    batches = list(model_io.padded_batches(windows, batch_size=4, pad_id=tokenizer.pad_token_id))
+    assert sum(int(mask.sum()) for _, mask in batches) == sum(lengths)
+
+
+def test_local_checkpoint_without_tokenizer_falls_back_to_the_repository_one(tmp_path, capsys):
+    tiny_ours("pre", 2).save_pretrained(tmp_path)
+    model, tokenizer = model_io.load_model_and_tokenizer(str(tmp_path))
+    assert type(model).__module__ == "peft_pretraining.modeling_llama"
+    assert len(tokenizer) == 8192 and "using" in capsys.readouterr().err
