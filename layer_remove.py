@@ -92,13 +92,13 @@ def layer_removed(model, layer_index: int):
                 delattr(model.config, key)
 
 
-def lm_eval_command(model_path: str | Path, our_checkpoint: bool, tasks: str = "mmlu") -> str:
+def lm_eval_command(model_path: str | Path, our_checkpoint: bool, tasks: str = "mmlu", gpu: bool = True) -> str:
     """The lm-eval CLI call for a saved model (ours needs trust_remote_code to load our class)."""
-    model_args = f"pretrained={Path(model_path).resolve()},dtype=bfloat16"
+    model_args = f"pretrained={Path(model_path).resolve()},dtype={'bfloat16' if gpu else 'float32'}"
     if our_checkpoint:
         model_args += ",trust_remote_code=True"
-    return (f"lm_eval --model hf --model_args {shlex.quote(model_args)} --tasks {tasks} "
-            "--device cuda:0 --batch_size auto")
+    device = "--device cuda:0 --batch_size auto" if gpu else "--device cpu --batch_size 8"
+    return f"lm_eval --model hf --model_args {shlex.quote(model_args)} --tasks {tasks} {device}"
 
 
 # ----------------------------------------------------------------------------- sweep
@@ -274,10 +274,11 @@ def run_single(parser, args, device, dtype) -> None:
     print(f"removed layer {args.layer_index}; saved a {model.config.num_hidden_layers}-layer model to {save_path}")
     print("evaluate it with:")
     print(f"  {lm_eval_command(save_path, ours)}")
-    print("offline (held-out perplexity task built from the embedded novel):")
-    print(f"  python -m peft_pretraining.lm_eval_tasks --output_dir {save_path.resolve()}_tasks && "
-          f"{lm_eval_command(save_path, ours, lm_eval_tasks.HELDOUT_PERPLEXITY_TASK)} "
-          f"--include_path {save_path.resolve()}_tasks")
+    print("offline on a CPU, from the repository root (held-out perplexity task built from the embedded novel):")
+    task_dir = f"{save_path.resolve()}_tasks"
+    print(f"  python -m peft_pretraining.lm_eval_tasks --output_dir {task_dir} && "
+          f"{lm_eval_command(save_path, ours, lm_eval_tasks.HELDOUT_PERPLEXITY_TASK, gpu=False)} "
+          f"--include_path {task_dir}")
 
 
 def run_sweep(parser, args, device, dtype) -> list[dict]:
