@@ -33,7 +33,7 @@ LABELS = {"pre": "Pre-LN", "lns": "LNS", "post": "Post-LN", "post_pre": "Mix-LN"
 # Budgets: the default reproduces the committed report; --quick is the CI smoke test.
 BUDGETS = {
     "default": dict(steps=300, warmup=30, batch_size=16, max_length=128, eval_tokens=32_768, seeds=[1, 2],
-                    angular_tokens=16_384, removal_documents=64, model_config="llama_tiny_deep.json"),
+                    angular_tokens=16_384, removal_documents=32, model_config="llama_tiny_deep.json"),
     "quick": dict(steps=6, warmup=1, batch_size=4, max_length=64, eval_tokens=1_024, seeds=[1],
                   angular_tokens=512, removal_documents=2, model_config="llama_tiny.json"),
 }
