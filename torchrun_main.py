@@ -210,6 +210,8 @@ def train(args, rank: int, world_size: int, device) -> int:
 
     run_dir = resolve_run_dir(args, rank)  # only now: bad input above leaves no empty run folder behind
     train_model = wrap_model(model, args, world_size, device)
+    if args.compile:
+        train_model = torch.compile(train_model)  # the uncompiled `model` shares its weights: saving is unchanged
     optimizer = training_utils.build_optimizer(train_model.parameters(), args.optimizer, args.lr, args.weight_decay)
     update_step, tokens_seen = 0, 0
     if resume_state is not None:

@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "with fp32 master weights and optimizer state; float32")
     system.add_argument("--device", type=str, default="auto", help="auto | cpu | cuda")
     system.add_argument("--fsdp", action="store_true", help="shard with FSDP2 fully_shard instead of DDP")
+    system.add_argument("--compile", action="store_true",
+                        help="run the wrapped model through torch.compile (see utils/benchmark_model.py)")
     system.add_argument("--single_gpu", action="store_true",
                         help="reference compatibility: no DDP wrapper (only valid with one process)")
     return p
