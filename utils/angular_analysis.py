@@ -160,12 +160,7 @@ def main(argv: list[str] | None = None) -> np.ndarray:
     args = parser.parse_args(argv)
     model_io.check_positive(parser, args, "num_tokens", "max_seq_len", "batch_size")
     model_io.apply_threads(parser, args)
-    try:
-        device = model_io.resolve_device(args.device)
-        dtype = model_io.resolve_dtype(args.dtype, device)
-        source = model_io.resolve_text_source(args.dataset, args.text_file)
-    except ValueError as err:
-        parser.error(str(err))
+    device, dtype, source = model_io.resolve_run_settings(parser, args)
 
     model, tokenizer = model_io.load_model_and_tokenizer(args.model_path, dtype, device, args.tokenizer)
     batches = model_io.token_batches(tokenizer, source, args.max_seq_len, args.num_tokens, args.batch_size)

@@ -56,6 +56,15 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def resolve_run_settings(parser, args) -> tuple[torch.device, torch.dtype, tuple[str, Path | None]]:
+    """--device, --dtype and the text source (--dataset / --text_file) of a tool, or a one-line error naming the flag."""
+    try:
+        device = resolve_device(args.device)
+        return device, resolve_dtype(args.dtype, device), resolve_text_source(args.dataset, args.text_file)
+    except ValueError as err:
+        parser.error(str(err))
+
+
 # ----------------------------------------------------------------------------- loading
 def read_local_config(model_path: str | os.PathLike) -> dict | None:
     config_file = Path(model_path) / "config.json"

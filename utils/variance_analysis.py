@@ -126,12 +126,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     labels = args.labels or [Path(path.rstrip("/")).name for path in args.model_paths]
     if len(labels) != len(args.model_paths):
         parser.error(f"--labels: got {len(labels)} labels for {len(args.model_paths)} models")
-    try:
-        device = model_io.resolve_device(args.device)
-        dtype = model_io.resolve_dtype(args.dtype, device)
-        source = model_io.resolve_text_source(args.dataset, args.text_file)
-    except ValueError as err:
-        parser.error(str(err))
+    device, dtype, source = model_io.resolve_run_settings(parser, args)
 
     results = []
     for label, model_path in zip(labels, args.model_paths):
