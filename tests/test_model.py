@@ -235,3 +235,16 @@ def test_export_cli(tmp_path):
     torch.testing.assert_close(loaded(tokens).logits, model(tokens).logits, rtol=0, atol=1e-5)
     again = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
     assert again.returncode != 0 and "--out" in again.stderr.strip().splitlines()[-1]
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    tokens = random_tokens()
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_model("lns").train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+            assert model.model.gradient_checkpointing
+        model(tokens, labels=tokens).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-6)
