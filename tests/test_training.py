@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from peft_pretraining import args_utils
