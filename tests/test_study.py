@@ -1,0 +1,95 @@
+"""The study machinery: pure helpers on crafted numbers, then the depth sweep end to end in its quick mode."""
+import dataclasses
+import json
+import math
+import shutil
+
+import pytest
+
+from utils import depth_sweep, study_lib
+
+
+def test_evenly_spaced_steps_end_at_the_last_step_and_share_a_save_interval():
+    steps = study_lib.evenly_spaced_steps(1200, 5)
+    assert steps == (240, 480, 720, 960, 1200)
+    assert study_lib.save_every_for(steps) == 240
+    assert study_lib.evenly_spaced_steps(7, 2)[-1] == 7
+    assert all(s % study_lib.save_every_for(study_lib.evenly_spaced_steps(7, 2)) == 0
+               for s in study_lib.evenly_spaced_steps(7, 2))
+
+
+def crafted_analysis(num_layers=8, removal=None):
+    return dict(
+        variance=[1.0 * (k + 1) for k in range(num_layers + 1)],  # growth last/first = (L+1)/2
+        angular_next=[0.1 * k for k in range(num_layers)],
+        jacobian_rel_identity_dev=[0.5] * (num_layers // 2) + [0.1] * (num_layers // 2),
+        removal_nats=removal if removal is not None else [0.5] * (num_layers // 2) + [0.001] * (num_layers // 2),
+        norm_gains=dict(per_layer=[1.0] * num_layers, final=1.0, max_abs_dev_from_one=0.0),
+    )
+
+
+def test_summarise_analysis_reads_the_deep_half():
+    summary = study_lib.summarise_analysis(crafted_analysis())
+    assert summary["variance_growth"] == pytest.approx(9 / 2)
+    # d(l, l+1) exists for layers 0..6; the deep half of those 7 values is layers 3..6.
+    assert summary["angular_deep"] == pytest.approx((0.3 + 0.4 + 0.5 + 0.6) / 4)
+    assert summary["jacobian_deep"] == pytest.approx(0.1)
+    assert summary["removal_deep"] == pytest.approx(0.001)
+    assert summary["cheap_removal_fraction"] == pytest.approx(0.5)  # 0.001 < ln(1.01), 0.5 is not
+
+
+def test_slope_by_seed_recovers_a_known_slope_and_skips_missing_depths():
+    table = {d: {1: 2.0 * math.log(d) + 1.0, 2: -1.0 * math.log(d), 3: None if d == 8 else 0.5} for d in (2, 4, 8)}
+    slopes = depth_sweep.slope_by_seed(table, log_values=False)
+    assert slopes[1] == pytest.approx(2.0)
+    assert slopes[2] == pytest.approx(-1.0)
+    assert slopes[3] == pytest.approx(0.0)  # fitted on the two depths it has
+    logged = depth_sweep.slope_by_seed({d: {1: d ** 1.5} for d in (2, 4, 8)}, log_values=True)
+    assert logged[1] == pytest.approx(1.5)
+
+
+def test_by_seed_gives_none_for_a_diverged_run():
+    finished = dict(arm="pre", seed=1, status="finished", final_eval_loss=5.0, eval_curve=[[10, 5.0]],
+                    analyses={"10": crafted_analysis()})
+    diverged = dict(arm="pre", seed=2, status="diverged", final_eval_loss=None, eval_curve=[], analyses={})
+    values = study_lib.by_seed({"a": finished, "b": diverged}, "pre", "eval_loss")
+    assert values == {1: 5.0, 2: None}
+
+
+def test_record_matches_only_identical_flags_and_settings():
+    settings = study_lib.AnalysisSettings(max_seq_len=64, stream_tokens=10, jacobian_tokens=2, removal_documents=2)
+    spec = study_lib.RunSpec("pre", 1, ("--lr", "1e-3"), (2, 4))
+    record = dict(version=study_lib.RECORD_VERSION, flags=spec.flags(), analysis_settings=dataclasses.asdict(settings),
+                  last_step=4, analyses={"2": {}, "4": {}})
+    assert study_lib.record_matches(record, spec, settings)
+    assert not study_lib.record_matches(record, study_lib.RunSpec("pre", 1, ("--lr", "2e-3"), (2, 4)), settings)
+    assert not study_lib.record_matches(record, spec, study_lib.AnalysisSettings(64, 20, 2, 2))
+    assert not study_lib.record_matches(dict(record, analyses={"4": {}}), spec, settings)
+
+
+def test_depth_sweep_bad_input_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        depth_sweep.parse_args(["--depths", "4"])
+    assert exit_info.value.code == 2
+    assert "--depths" in capsys.readouterr().err
+
+
+def test_depth_sweep_quick_end_to_end_then_reuses_every_record(tmp_path):
+    out, runs = tmp_path / "report", tmp_path / "runs"
+    assert depth_sweep.main(["--quick", "--out", str(out), "--runs_dir", str(runs)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["runs"]) == 8 and not summary["missing"]  # 2 depths x 2 norms x 2 seeds
+    statuses = {"reproduced", "opposite", "inside noise", "not measurable", "not reproduced"}
+    assert summary["predictions"] and all(p["status"] in statuses for p in summary["predictions"])
+    report = (out / "report.md").read_text()
+    assert "LNS − Pre-LN eval loss" in report and "95%" in report
+    for png in ("measures_vs_depth.png", "loss_gap_vs_depth.png"):
+        assert (out / png).stat().st_size > 1000
+    record = json.loads(next((out / "runs").glob("L4-lns-seed1.json")).read_text())
+    analysed = record["analyses"][max(record["analyses"], key=int)]
+    assert len(analysed["jacobian_rel_identity_dev"]) == 4 and len(analysed["removal_nats"]) == 4
+    # A second invocation, with the runs folder gone, reuses the committed records and trains nothing.
+    shutil.rmtree(runs)
+    assert depth_sweep.main(["--quick", "--out", str(out), "--runs_dir", str(runs)]) == 0
+    assert not (runs / "logs").exists()
+    assert "8 records were reused" in (out / "report.md").read_text()

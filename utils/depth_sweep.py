@@ -1,0 +1,346 @@
+"""Where does the curse of depth begin? Pre-LN against LNS at several depths, with the study's instruments.
+
+    python utils/depth_sweep.py                  # default budget: at most about 2 hours on 2 CPU cores
+    python utils/depth_sweep.py --budget long    # 3x the tokens per run (resumes across invocations)
+    python utils/depth_sweep.py --quick          # smoke test (CI)
+    python utils/depth_sweep.py --report_only    # rewrite the report from the saved records
+
+Every depth uses the same width, data, tokens, schedule and seeds; only the number of layers changes. Each run is
+trained, then measured at three points through training with the repository's tools (utils/study_lib.py). For each
+of the paper's depth predictions the report gives a verdict: the per-seed slope of the measure against ln L, with a
+95% interval over seeds. Finished runs leave records in `<out>/runs/`, reused by later invocations.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from utils import study_lib, verdicts  # noqa: E402
+from utils.study_lib import AnalysisSettings, RunSpec  # noqa: E402
+
+NORMS = {"pre": "Pre-LN", "lns": "LNS"}
+# Hidden 64 (head dim 16): at 96 layers a run costs about what the 24-layer, hidden-128 study model costs, so the
+# five depths fit in the budget; 128 would make the 96-layer runs four times dearer.
+BASE_CONFIG = "configs/llama_tiny.json"
+BUDGETS = {
+    "default": dict(depths=(6, 12, 24, 48, 96), steps=600, warmup=30, batch_size=16, max_length=128,
+                    eval_tokens=32_768, seeds=(1, 2, 3), dynamics_points=3, stream_tokens=8_192,
+                    jacobian_tokens=16, removal_documents=16, out="docs/depth_sweep", runs_dir="runs/depth_sweep"),
+    "long": dict(steps=1800, warmup=90, out="docs/depth_sweep_long", runs_dir="runs/depth_sweep_long"),
+    "quick": dict(depths=(2, 4), steps=4, warmup=1, batch_size=4, max_length=64, eval_tokens=512, seeds=(1, 2),
+                  dynamics_points=2, stream_tokens=256, jacobian_tokens=2, removal_documents=2,
+                  out="runs/depth_sweep_quick/report", runs_dir="runs/depth_sweep_quick"),
+}
+PREDICTIONS = [
+    # (the paper's prediction, norm type, measure, expected sign of d(measure)/d(ln L), log-transform the measure)
+    ("Pre-LN's variance growth rises with depth", "pre", "variance_growth", +1, True),
+    ("Pre-LN's deep layers become more similar to their successor with depth", "pre", "angular_deep", -1, False),
+    ("Pre-LN's deep blocks move toward the identity with depth", "pre", "jacobian_deep", -1, False),
+    ("Removing a deep Pre-LN layer costs less with depth", "pre", "removal_deep", -1, False),
+    ("More Pre-LN layers are cheap to remove with depth", "pre", "cheap_removal_fraction", +1, False),
+]
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budget", default="default", choices=sorted(BUDGETS))
+    parser.add_argument("--quick", action="store_true", help="same as --budget quick (the CI smoke test)")
+    parser.add_argument("--depths", nargs="+", type=int, default=None, help="override the budget's depths")
+    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="override the budget's seeds")
+    parser.add_argument("--out", default=None, help="report folder (its runs/ subfolder holds the run records)")
+    parser.add_argument("--runs_dir", default=None, help="where the training runs and checkpoints go")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each")
+    parser.add_argument("--max_hours", type=float, default=None,
+                        help="start no new run after this many hours; the next invocation continues")
+    parser.add_argument("--report_only", action="store_true", help="write the report from the saved records")
+    parser.add_argument("--fresh", action="store_true", help="retrain and re-analyse even where records exist")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.budget = "quick"
+    args.settings = {**BUDGETS["default"], **BUDGETS[args.budget]}
+    if args.depths:
+        args.settings["depths"] = tuple(args.depths)
+    if args.seeds:
+        args.settings["seeds"] = tuple(args.seeds)
+    if any(d < 2 for d in args.settings["depths"]):
+        parser.error(f"--depths: every depth must be at least 2, got {args.settings['depths']}")
+    if len(set(args.settings["depths"])) < 2:
+        parser.error("--depths: give at least two different depths (the verdicts are slopes against depth)")
+    if args.jobs < 1:
+        parser.error(f"--jobs must be positive, got {args.jobs}")
+    if args.max_hours is not None and args.max_hours <= 0:
+        parser.error(f"--max_hours must be positive, got {args.max_hours}")
+    args.out = Path(args.out or REPO / args.settings["out"])
+    args.runs_dir = Path(args.runs_dir or REPO / args.settings["runs_dir"])
+    return args
+
+
+def depth_config(args, depth: int) -> str:
+    """The base config with `depth` layers, written under the runs folder; returned relative to the repository
+    when possible, so that records made on another machine still match."""
+    config = json.loads((REPO / BASE_CONFIG).read_text())
+    config["num_hidden_layers"] = depth
+    path = args.runs_dir / "configs" / f"llama_h{config['hidden_size']}_L{depth}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def run_specs(args) -> list[RunSpec]:
+    s = args.settings
+    dynamics = study_lib.evenly_spaced_steps(s["steps"], s["dynamics_points"])
+    specs = []
+    for seed in s["seeds"]:
+        for depth in s["depths"]:
+            base = ("--model_config", depth_config(args, depth), "--dataset", "embedded", "--tokenizer", "embedded",
+                    "--packing", "--max_length", str(s["max_length"]), "--batch_size", str(s["batch_size"]),
+                    "--total_batch_size", str(s["batch_size"]), "--lr", "1e-3", "--warmup_steps", str(s["warmup"]),
+                    "--num_training_steps", str(s["steps"]), "--eval_every", str(dynamics[0]), "--eval_tokens",
+                    str(s["eval_tokens"]), "--grad_clipping", "1.0", "--weight_decay", "0", "--optimizer", "adam",
+                    "--workers", "0", "--device", "cpu", "--dtype", "mixed")
+            for norm in NORMS:
+                specs.append(RunSpec(f"L{depth}-{norm}", seed, (*base, "--norm_type", norm), dynamics))
+    return specs
+
+
+# ------------------------------------------------------------------------------------------------------ statistics
+def measure_by_depth(records, norm: str, measure: str, depths) -> dict[int, dict[int, float | None]]:
+    """{depth: {seed: value}} at each run's last analysed checkpoint."""
+    return {d: study_lib.by_seed(records, f"L{d}-{norm}", measure) for d in depths}
+
+
+def slope_by_seed(table: dict[int, dict[int, float | None]], log_values: bool) -> dict[int, float | None]:
+    """Per seed, the least-squares slope of the measure (or its log) against ln L, over the depths it has."""
+    seeds = sorted({seed for per_seed in table.values() for seed in per_seed})
+    slopes = {}
+    for seed in seeds:
+        points = [(math.log(depth), per_seed.get(seed)) for depth, per_seed in table.items()]
+        points = [(x, math.log(y) if log_values else y) for x, y in points
+                  if y is not None and (not log_values or y > 0)]
+        slopes[seed] = float(np.polyfit(*zip(*points), 1)[0]) if len({x for x, _ in points}) >= 2 else None
+    return slopes
+
+
+def slope_verdict(claim: str, direction: int, slopes: dict[int, float | None]) -> verdicts.Verdict:
+    """The per-seed slopes against zero: a one-sample t interval over seeds (judge_seeds against a zero arm)."""
+    return verdicts.judge_seeds(claim, direction, {seed: 0.0 for seed in slopes}, slopes, ("zero", "slope"))
+
+
+def depth_verdicts(args, records) -> list[verdicts.Verdict]:
+    depths = args.settings["depths"]
+    found = []
+    for claim, norm, measure, direction, log_values in PREDICTIONS:
+        slopes = slope_by_seed(measure_by_depth(records, norm, measure, depths), log_values)
+        found.append(slope_verdict(f"{claim} (slope of {'ln ' if log_values else ''}the measure vs ln L)",
+                                   direction, slopes))
+    gap = {}
+    for depth in depths:
+        pre = study_lib.by_seed(records, f"L{depth}-pre", "eval_loss")
+        lns = study_lib.by_seed(records, f"L{depth}-lns", "eval_loss")
+        gap[depth] = {seed: pre[seed] - lns[seed] for seed in pre
+                      if pre.get(seed) is not None and lns.get(seed) is not None}
+    found.append(slope_verdict("LNS's advantage (Pre-LN − LNS eval loss) grows with depth (slope vs ln L)", +1,
+                               slope_by_seed(gap, False)))
+    return found
+
+
+def gap_verdicts(args, records) -> list[verdicts.Verdict]:
+    return [verdicts.judge_seeds(f"L={depth}: LNS reaches a lower eval loss than Pre-LN (LNS − Pre-LN)", -1,
+                                 study_lib.by_seed(records, f"L{depth}-pre", "eval_loss"),
+                                 study_lib.by_seed(records, f"L{depth}-lns", "eval_loss"), ("Pre-LN", "LNS"))
+            for depth in args.settings["depths"]]
+
+
+# ------------------------------------------------------------------------------------------------------ plots
+def plot_against_depth(args, records, path: Path) -> Path:
+    plt = study_lib.pyplot()
+    depths = args.settings["depths"]
+    measures = list(study_lib.MEASURES)
+    fig, axes = plt.subplots(2, math.ceil(len(measures) / 2), figsize=(4.4 * math.ceil(len(measures) / 2), 7),
+                             squeeze=False)
+    for ax, measure in zip(axes.flat, measures):
+        for norm, label in NORMS.items():
+            table = measure_by_depth(records, norm, measure, depths)
+            xs, means, errors = [], [], []
+            for depth in depths:
+                vals = [v for v in table[depth].values() if v is not None]
+                if vals:
+                    xs.append(depth)
+                    means.append(np.mean(vals))
+                    errors.append(verdicts.paired_t_interval(vals)[2] - np.mean(vals) if len(vals) > 1 else 0.0)
+            if xs:
+                ax.errorbar(xs, means, yerr=errors, marker="o", markersize=4, capsize=3, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(depths, [str(d) for d in depths])
+        ax.set_title(study_lib.MEASURES[measure], fontsize=9)
+        ax.set_xlabel("layers L")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(measures):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle("Final checkpoint against depth (mean over seeds, 95% t-interval)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=140)
+    plt.close(fig)
+    return path
+
+
+def plot_gap(gaps: list[verdicts.Verdict], depths, path: Path) -> Path:
+    plt = study_lib.pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    points = [(d, v) for d, v in zip(depths, gaps) if v.n_pairs]
+    if points:
+        xs = [d for d, _ in points]
+        ax.errorbar(xs, [v.effect for _, v in points],
+                    yerr=[[v.effect - v.low for _, v in points], [v.high - v.effect for _, v in points]],
+                    marker="o", capsize=3)
+    ax.axhline(0, color="black", linewidth=0.7)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(depths), [str(d) for d in depths])
+    ax.set(xlabel="layers L", ylabel="LNS − Pre-LN eval loss (nats)",
+           title="LNS's loss gap against depth (below 0: LNS better)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=140)
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------------ report
+def write_report(args, records, skipped, started, argv) -> Path:
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    s = args.settings
+    depths = s["depths"]
+    predictions = depth_verdicts(args, records)
+    gaps = gap_verdicts(args, records)
+    by_depth_png = plot_against_depth(args, records, out / "measures_vs_depth.png")
+    gap_png = plot_gap(gaps, depths, out / "loss_gap_vs_depth.png")
+    dynamics = {}
+    for depth in (depths[0], depths[-1]):
+        arms = {f"L{depth}-{n}": f"{label}, L={depth}" for n, label in NORMS.items()}
+        dynamics[depth] = study_lib.plot_dynamics(records, arms, out / f"dynamics_L{depth}.png")
+
+    rows = []
+    for depth in depths:
+        for norm, label in NORMS.items():
+            arm_records = [r for r in records.values() if r["arm"] == f"L{depth}-{norm}"]
+            if not arm_records:
+                continue
+            cells = [str(depth), label, f"{len(arm_records)}"]
+            for measure in study_lib.MEASURES:
+                vals = [v for v in study_lib.by_seed(records, f"L{depth}-{norm}", measure).values() if v is not None]
+                cells.append(f"{np.mean(vals):.4f}" if vals else "n/a")
+            best = [min(r["eval_curve"], key=lambda p: p[1])[0] for r in arm_records if r["eval_curve"]]
+            cells.append(", ".join(map(str, best)))
+            rows.append("| " + " | ".join(cells) + " |")
+    header = ("| L | norm | runs | " + " | ".join(study_lib.MEASURES.values()) + " | step of lowest eval loss |\n|"
+              + "---|" * (len(study_lib.MEASURES) + 4))
+    tokens = s["steps"] * s["batch_size"] * s["max_length"]
+    train_tokens = study_lib.embedded_train_tokens()
+    expected = len(run_specs(args))
+    status = (f"**Complete**: all {expected} runs." if len(records) == expected else
+              f"**Partial**: {len(records)} of {expected} runs have records; the missing ones run on the next "
+              f"invocation ({', '.join(spec.name for spec in skipped)}).")
+    speeds = {d: [r["tokens_per_s_median"] for r in records.values()
+                  if r["arm"].startswith(f"L{d}-") and r.get("tokens_per_s_median")] for d in depths}
+    config = json.loads((REPO / BASE_CONFIG).read_text())
+    rel = lambda p: Path(p).resolve().relative_to(out.resolve())  # noqa: E731
+    text = f"""# Depth sweep: Pre-LN against LNS at L = {', '.join(map(str, depths))}
+
+Generated by `python utils/depth_sweep.py {' '.join(argv)}`; this invocation took
+{(time.time() - started) / 60:.1f} minutes. {status}
+{sum(r.get('reused') == 'record' for r in records.values())} records were reused from earlier invocations; the runs
+trained for {sum(r['train_seconds'] for r in records.values()) / 60:.0f} minutes in total.
+
+## The paper's depth predictions
+
+Each verdict is a slope against ln L, fitted per seed over the depths, with a 95% Student-t interval over seeds.
+**reproduced** means the predicted sign AND an interval that excludes zero; **inside noise** means the interval
+contains zero; **opposite** means it excludes zero the other way.
+
+{chr(10).join('- ' + v.line() for v in predictions)}
+
+## LNS − Pre-LN eval loss at each depth (paired by seed)
+
+{chr(10).join('- ' + v.line() for v in gaps)}
+
+![loss gap]({rel(gap_png)})
+
+## Every measure against depth (last checkpoint)
+
+![measures against depth]({rel(by_depth_png)})
+
+{header}
+{chr(10).join(rows)}
+
+"Cheap to remove": removing the layer raises held-out perplexity by less than 1% (ln ratio < {study_lib.CHEAP_REMOVAL_NATS:.5f}).
+Deep = the deeper half of the layers.
+
+## Dynamics at the shallowest and the deepest setting
+
+{chr(10).join(f'![dynamics L={d}]({rel(p)})' for d, p in dynamics.items())}
+
+## Set-up
+
+- **Models**: `{BASE_CONFIG}` (hidden {config['hidden_size']}, intermediate {config['intermediate_size']},
+  {config['num_attention_heads']} heads, vocab {config['vocab_size']}) with L layers; nothing else changes with L.
+- **Budget**: {s['steps']} updates × {s['batch_size']} × {s['max_length']} packed tokens = {tokens / 1e6:.2f} M tokens per
+  run at every depth, {tokens / train_tokens:.2f} epochs over the {train_tokens:,}-token training split; Adam, lr 1e-3,
+  {s['warmup']} warmup steps then cosine to 10%, clipping 1.0, mixed precision (fp32 master weights).
+  The budget must stay below the corpus's overfitting point at the deepest setting: the table's last column gives
+  the step of each run's lowest eval loss (a run still improving has it at its last eval).
+- **Instruments** at steps {', '.join(map(str, study_lib.evenly_spaced_steps(s['steps'], s['dynamics_points'])))}, inside
+  the trained context of {s['max_length']} tokens: variance and angular distance over {s['stream_tokens']:,} held-out
+  tokens, exact block Jacobians at {s['jacobian_tokens']} tokens, one-layer removal on {s['removal_documents']}
+  held-out documents.
+- **Seeds**: {', '.join(map(str, s['seeds']))}, paired across norm types and depths.
+- **Speed** (median tokens/s per run, one thread): {', '.join(f"L={d}: {np.median(v):,.0f}" for d, v in speeds.items() if v)}.
+- **Machine**: {study_lib.machine_description()}; {study_lib.software_versions()}.
+
+Raw numbers: one JSON record per run in `runs/`, and `summary.json`.
+"""
+    report = out / "report.md"
+    report.write_text(text)
+    summary = dict(budget=args.budget, settings=s, predictions=[v.as_dict() for v in predictions],
+                   gaps=[v.as_dict() for v in gaps], runs=sorted(records),
+                   missing=[spec.name for spec in skipped])
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    return report
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    started = time.time()
+    specs = run_specs(args)
+    settings = AnalysisSettings(max_seq_len=args.settings["max_length"], stream_tokens=args.settings["stream_tokens"],
+                                jacobian_tokens=args.settings["jacobian_tokens"],
+                                removal_documents=args.settings["removal_documents"])
+    records_dir = args.out / "runs"
+    if args.report_only:
+        records = study_lib.load_records(specs, settings, records_dir)
+        skipped = [spec for spec in specs if spec.name not in records]
+    else:
+        deadline = None if args.max_hours is None else time.time() + 3600 * args.max_hours
+        records, skipped = study_lib.run_jobs(specs, settings, args.runs_dir, records_dir, args.jobs, args.fresh,
+                                              deadline)
+    report = write_report(args, records, skipped, started, argv)
+    print(f"report: {report}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,464 @@
+"""What the CPU studies share (`utils/compare_norms.py`, `utils/depth_sweep.py`).
+
+A study is a list of runs (`RunSpec`: an arm, a seed and the trainer's flags). Each run is one job:
+
+    torchrun_main.py (a subprocess, one thread)  ->  the analysis tools on each dynamics checkpoint  ->  record
+
+The record (`<out>/runs/<arm>-seed<seed>.json`) holds the run's flags, its eval curve, and every analysis at every
+analysed checkpoint, as small numbers. Records live beside the report and are committed with it, so a later
+invocation (on any machine) reuses finished runs instead of retraining them; checkpoints stay in the runs folder.
+
+The analyses are the repository's own tools, called through their command lines in the analysis subprocess:
+utils/variance_analysis.py, utils/angular_analysis.py, utils/jacobian_analysis.py and layer_remove.py --sweep on the
+offline held-out task, all inside the trained context length.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import dataclasses
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+RECORD_VERSION = 1
+# A layer counts as "cheap to remove" when removing it raises held-out perplexity by less than 1% (0.00995 nats).
+CHEAP_REMOVAL_NATS = math.log(1.01)
+
+
+@dataclasses.dataclass(frozen=True)
+class AnalysisSettings:
+    """How each analysed checkpoint is measured (part of a record's identity)."""
+
+    max_seq_len: int  # the trained context length: every analysis stays inside it
+    stream_tokens: int  # held-out tokens for the variance and angular tools
+    jacobian_tokens: int  # held-out tokens whose block Jacobians are averaged
+    removal_documents: int  # held-out documents for the layer-removal sweep
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    arm: str  # a name for the configuration, e.g. "pre", "lns_bf16", "L48-lns"
+    seed: int
+    train_flags: tuple[str, ...]  # torchrun_main.py flags, without --seed, --save_dir and --run_name
+    analyse_steps: tuple[int, ...]  # checkpoints to analyse (the trainer saves each of them)
+
+    @property
+    def name(self) -> str:
+        return f"{self.arm}-seed{self.seed}"
+
+    def flags(self) -> list[str]:
+        return [*self.train_flags, "--seed", str(self.seed)]
+
+
+def evenly_spaced_steps(total_steps: int, points: int) -> tuple[int, ...]:
+    """`points` checkpoints at equal intervals, the last one at total_steps (save_every must divide them)."""
+    interval = max(1, total_steps // points)
+    steps = [interval * k for k in range(1, points + 1) if interval * k < total_steps] + [total_steps]
+    return tuple(sorted(set(steps)))
+
+
+def save_every_for(steps: tuple[int, ...]) -> int:
+    return math.gcd(*steps)
+
+
+# ------------------------------------------------------------------------------------------------------ one job
+def _run_logged(cmd: list[str], log_path: Path, env: dict) -> int:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:
+        return subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+
+
+def _tail(log_path: Path, lines: int = 15) -> str:
+    return "\n".join(log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+class JobFailed(RuntimeError):
+    pass
+
+
+class PastDeadline(RuntimeError):
+    pass
+
+
+def _write_json_atomic(path: Path, payload: dict):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(payload, indent=1, allow_nan=True))
+    os.replace(tmp, path)
+
+
+def read_record(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def record_matches(record: dict | None, spec: RunSpec, settings: AnalysisSettings) -> bool:
+    return (record is not None and record.get("version") == RECORD_VERSION and record.get("flags") == spec.flags()
+            and record.get("analysis_settings") == dataclasses.asdict(settings)
+            and [int(s) for s in record.get("analyses", {})] == [s for s in spec.analyse_steps
+                                                                   if s <= record.get("last_step", 0)])
+
+
+def run_job(spec: RunSpec, settings: AnalysisSettings, runs_dir: Path, records_dir: Path, env: dict,
+            fresh: bool = False, deadline: float | None = None) -> dict:
+    """Train (unless a finished run with these flags exists), analyse its checkpoints, write its record."""
+    record_path = records_dir / f"{spec.name}.json"
+    record = read_record(record_path)
+    if not fresh and record_matches(record, spec, settings):
+        return dict(record, reused="record")
+    if deadline is not None and time.time() > deadline:
+        raise PastDeadline(spec.name)
+
+    run_dir = runs_dir / spec.name
+    flags_file, results_file = run_dir / "study_flags.json", run_dir / "results.json"
+    reuse_training = (not fresh and results_file.is_file() and flags_file.is_file()
+                      and json.loads(flags_file.read_text()) == spec.flags())
+    log_dir = runs_dir / "logs"
+    if not reuse_training:
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        started = time.perf_counter()
+        cmd = [sys.executable, "torchrun_main.py", *spec.flags(), "--save_every", str(save_every_for(spec.analyse_steps)),
+               "--save_dir", str(run_dir), "--run_name", f"study-{spec.name}"]
+        code = _run_logged(cmd, log_dir / f"{spec.name}.train.log", env)
+        if code not in (0, 3):  # 3 = diverged: a result, not a failure
+            raise JobFailed(f"training {spec.name} failed ({code}): {' '.join(cmd)}\n"
+                            f"{_tail(log_dir / f'{spec.name}.train.log')}")
+        flags_file.write_text(json.dumps(spec.flags()))
+        (run_dir / "study_seconds.txt").write_text(f"{time.perf_counter() - started:.1f}\n")
+
+    results = json.loads(results_file.read_text())
+    steps = [s for s in spec.analyse_steps if (run_dir / f"model_{s}").is_dir()]
+    analyses_file = run_dir / "study_analyses.json"
+    if steps:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "analyse", "--run_dir", str(run_dir),
+               "--steps", *map(str, steps), "--settings", json.dumps(dataclasses.asdict(settings)),
+               "--out_json", str(analyses_file)]
+        code = _run_logged(cmd, log_dir / f"{spec.name}.analyse.log", env)
+        if code != 0:
+            raise JobFailed(f"analysing {spec.name} failed ({code})\n{_tail(log_dir / f'{spec.name}.analyse.log')}")
+    analyses = json.loads(analyses_file.read_text()) if steps else {}
+
+    record = dict(version=RECORD_VERSION, arm=spec.arm, seed=spec.seed, flags=spec.flags(),
+                  analysis_settings=dataclasses.asdict(settings), status=results["status"],
+                  last_step=int(results["step"]), final_eval_loss=results.get("final_eval_loss"),
+                  diverged_reason=results.get("diverged_reason"), tokens_seen=results.get("tokens_seen"),
+                  train_seconds=float((run_dir / "study_seconds.txt").read_text()),
+                  **curves_from_metrics(run_dir / "metrics.jsonl"), analyses=analyses)
+    _write_json_atomic(record_path, record)
+    return dict(record, reused="training" if reuse_training else "no")
+
+
+def curves_from_metrics(metrics_path: Path) -> dict:
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "step" in r]
+    train = [(r["step"], r["loss"]) for r in rows if isinstance(r.get("loss"), (int, float))]
+    stride = max(1, len(train) // 200)  # keep the record small: about 200 points of the training curve
+    speeds = [r["tokens_per_s"] for r in rows if isinstance(r.get("tokens_per_s"), (int, float))]
+    return dict(eval_curve=[[r["step"], r["eval_loss"]] for r in rows if r.get("eval_loss") is not None],
+                train_curve=[list(p) for p in train[::stride]],
+                tokens_per_s_median=float(np.median(speeds[len(speeds) // 10:])) if speeds else None,
+                norm_gain_curve=[[r["step"], r["norm_gain_mean"]] for r in rows if r.get("norm_gain_mean")])
+
+
+def run_jobs(specs: list[RunSpec], settings: AnalysisSettings, runs_dir: Path, records_dir: Path, jobs: int,
+             fresh: bool = False, deadline: float | None = None) -> tuple[dict[str, dict], list[RunSpec]]:
+    """Every job, `jobs` at a time, one thread each; returns the records and the specs skipped at the deadline.
+
+    No run starts after `deadline` (a Unix time), so every run that starts also finishes. A job that fails is
+    reported after the others have finished; their records are kept.
+    """
+    from tqdm.auto import tqdm
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
+    records, skipped, failures = {}, [], []
+    with ThreadPoolExecutor(max_workers=jobs) as pool, \
+            tqdm(total=len(specs), desc="runs (train + analyse)", unit="run", dynamic_ncols=True) as bar:
+        futures = {spec: pool.submit(run_job, spec, settings, runs_dir, records_dir, env, fresh, deadline)
+                   for spec in specs}
+        for spec, future in futures.items():
+            try:
+                records[spec.name] = future.result()
+            except PastDeadline:
+                skipped.append(spec)
+            except JobFailed as err:
+                failures.append(str(err))
+                tqdm.write(f"FAILED: {err}")
+            bar.update(1)
+    if failures:
+        raise SystemExit(f"{len(failures)} of {len(specs)} runs failed; the others' records are saved:\n"
+                         + "\n\n".join(failures))
+    return records, skipped
+
+
+def load_records(specs: list[RunSpec], settings: AnalysisSettings, records_dir: Path) -> dict[str, dict]:
+    """The records that exist and match their spec (for --report_only)."""
+    found = {}
+    for spec in specs:
+        record = read_record(records_dir / f"{spec.name}.json")
+        if record_matches(record, spec, settings):
+            found[spec.name] = dict(record, reused="record")
+    return found
+
+
+# ------------------------------------------------------------------------------------------------------ analyses
+def _tool(main, argv: list[str], log) -> None:
+    with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        main(argv)
+
+
+def norm_gains(checkpoint: Path) -> dict:
+    """Mean gain of each decoder layer's norms (both of them, or however many the placement has) and the final norm."""
+    from safetensors.torch import load_file
+
+    weights = {}
+    for shard in sorted(checkpoint.glob("*.safetensors")):
+        weights.update(load_file(str(shard)))
+    per_layer: dict[int, list[float]] = {}
+    max_dev = 0.0
+    for name, tensor in weights.items():
+        parts = name.split(".")
+        if len(parts) >= 5 and parts[1] == "layers" and "norm" in parts[3] and parts[-1] == "weight":
+            per_layer.setdefault(int(parts[2]), []).append(float(tensor.float().mean()))
+            max_dev = max(max_dev, float((tensor.float() - 1).abs().max()))
+    final = weights.get("model.norm.weight")
+    # max_abs_dev_from_one = 0 means every block-norm gain is still exactly 1.0 (the pure-bf16 trap).
+    return dict(per_layer=[float(np.mean(per_layer[i])) for i in sorted(per_layer)],
+                final=None if final is None else float(final.float().mean()), max_abs_dev_from_one=max_dev)
+
+
+def analyse_checkpoint(checkpoint: Path, settings: AnalysisSettings, out_dir: Path, log) -> dict:
+    """All instruments on one checkpoint, each through its own command line; returns the per-layer numbers."""
+    sys.path.insert(0, str(REPO))
+    import layer_remove
+    from utils import angular_analysis, jacobian_analysis, variance_analysis
+
+    text = ["--dataset", "embedded", "--max_seq_len", str(settings.max_seq_len), "--device", "cpu",
+            "--dtype", "float32"]
+    _tool(variance_analysis.main, ["--model_paths", str(checkpoint), "--labels", checkpoint.name, *text,
+                                   "--num_tokens", str(settings.stream_tokens), "--output_dir",
+                                   str(out_dir / "variance")], log)
+    variance = json.loads((out_dir / "variance" / "residual_variance.json").read_text())["models"][0]
+    _tool(angular_analysis.main, ["--model_path", str(checkpoint), *text, "--num_tokens", str(settings.stream_tokens),
+                                  "--output_dir", str(out_dir / "angular")], log)
+    angular = json.loads((out_dir / "angular" / "angular_distance.json").read_text())["angular_distance"]
+    _tool(jacobian_analysis.main, ["--model_path", str(checkpoint), *text, "--num_tokens",
+                                   str(settings.jacobian_tokens), "--output_dir", str(out_dir / "jacobian")], log)
+    with (out_dir / "jacobian" / "jacobian.csv").open() as handle:  # columns fixed by the tool's contract
+        jacobian = sorted(csv.DictReader(handle), key=lambda row: int(row["layer"]))
+    _tool(layer_remove.main, ["--model_path", str(checkpoint), "--sweep", "--tasks", "heldout_novel_ppl",
+                              "--task_max_documents", str(settings.removal_documents), "--device", "cpu",
+                              "--dtype", "float32", "--max_seq_len", str(settings.max_seq_len),
+                              "--output_dir", str(out_dir / "removal")], log)
+    rows = json.loads((out_dir / "removal" / "layer_removal.json").read_text())["rows"]
+    baseline = next(r for r in rows if r["removed_layer"] is None)
+    removed = sorted((r for r in rows if r["removed_layer"] is not None), key=lambda r: r["removed_layer"])
+    return dict(
+        variance=[float(v) for v in variance["variance"]],
+        angular_next=[None if v is None else float(v) for v in angular[0]],
+        angular=angular,
+        jacobian_rel_identity_dev=[float(row["rel_identity_dev"]) for row in jacobian],
+        jacobian_mean_diag=[float(row["mean_diag"]) if row["mean_diag"] else None for row in jacobian],
+        removal_metric=baseline["metric"], removal_baseline=float(baseline["value"]),
+        # The loss rise in nats per word: ln(ppl without the layer / ppl with it).
+        removal_nats=[math.log(r["value"] / baseline["value"]) for r in removed],
+        norm_gains=norm_gains(checkpoint),
+    )
+
+
+def _analyse_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="study_lib.py analyse")
+    parser.add_argument("--run_dir", required=True)
+    parser.add_argument("--steps", type=int, nargs="+", required=True)
+    parser.add_argument("--settings", required=True)
+    parser.add_argument("--out_json", required=True)
+    args = parser.parse_args(argv)
+    settings = AnalysisSettings(**json.loads(args.settings))
+    run_dir = Path(args.run_dir)
+    results = {}
+    for step in args.steps:
+        print(f"analysing {run_dir / f'model_{step}'}", flush=True)
+        results[str(step)] = analyse_checkpoint(run_dir / f"model_{step}", settings,
+                                                run_dir / "analysis" / f"step_{step}", sys.stdout)
+    _write_json_atomic(Path(args.out_json), results)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------ summaries
+def deep_half(values: list) -> list[float]:
+    """The deeper half of per-layer values (layers L//2 .. L-1), finite ones only."""
+    tail = values[len(values) // 2:]
+    return [float(v) for v in tail if v is not None and math.isfinite(v)]
+
+
+def summarise_analysis(analysis: dict) -> dict:
+    """The scalar measures of one analysed checkpoint."""
+    variance = analysis["variance"]
+    removal = analysis["removal_nats"]
+    gains = analysis["norm_gains"]["per_layer"]
+    return dict(
+        variance_growth=variance[-1] / variance[1] if len(variance) > 2 and variance[1] > 0 else float("nan"),
+        angular_deep=float(np.mean(deep_half(analysis["angular_next"][:-1]) or [float("nan")])),
+        removal_deep=float(np.mean(deep_half(removal))),
+        cheap_removal_fraction=float(np.mean([v < CHEAP_REMOVAL_NATS for v in removal])),
+        jacobian_deep=float(np.mean(deep_half(analysis["jacobian_rel_identity_dev"]))),
+        norm_gain_mean=float(np.mean(gains)) if gains else float("nan"),
+    )
+
+
+MEASURES = {
+    "eval_loss": "eval loss (nats/token)",
+    "variance_growth": "variance growth, last layer / first",
+    "angular_deep": "deep-half angular distance d(l, l+1)/pi",
+    "removal_deep": "deep-half removal cost (nats/word)",
+    "cheap_removal_fraction": "fraction of layers with removal cost < 1% ppl",
+    "jacobian_deep": "deep-half ||J - I||_F / sqrt(d)",
+    "norm_gain_mean": "mean norm gain (all layers)",
+}
+
+
+def measures_at(record: dict, step: int | None = None) -> dict:
+    """Every scalar measure of a record at an analysed step (default: its last analysed step)."""
+    analyses = record.get("analyses") or {}
+    if not analyses:
+        return dict(eval_loss=record.get("final_eval_loss"))
+    step = step if step is not None else max(int(s) for s in analyses)
+    evals = dict((int(s), loss) for s, loss in record.get("eval_curve", []))
+    return dict(summarise_analysis(analyses[str(step)]), eval_loss=evals.get(step))
+
+
+def finite_or_none(value):
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def by_seed(records: dict[str, dict], arm: str, measure: str, step: int | None = None,
+            require_finished: bool = True) -> dict[int, float | None]:
+    """{seed: value} of one measure for one arm; a diverged run gives None (the verdicts drop its pair)."""
+    values = {}
+    for record in records.values():
+        if record["arm"] != arm:
+            continue
+        if require_finished and record["status"] != "finished":
+            values[record["seed"]] = None
+            continue
+        values[record["seed"]] = finite_or_none(measures_at(record, step).get(measure))
+    return values
+
+
+# ------------------------------------------------------------------------------------------------------ plots
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_dynamics(records: dict[str, dict], arms: dict[str, str], path: Path, measures=None) -> Path:
+    """Each measure against the training step: one line per arm (mean over seeds), shaded from min to max."""
+    plt = pyplot()
+    measures = list(measures or MEASURES)
+    cols = 3
+    rows = math.ceil(len(measures) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
+    for ax, measure in zip(axes.flat, measures):
+        for arm, label in arms.items():
+            arm_records = [r for r in records.values() if r["arm"] == arm and r.get("analyses")]
+            steps = sorted({int(s) for r in arm_records for s in r["analyses"]})
+            series = [[finite_or_none(measures_at(r, s).get(measure)) if str(s) in r["analyses"] else None
+                       for s in steps] for r in arm_records]
+            points = [(s, [v[i] for v in series if v[i] is not None]) for i, s in enumerate(steps)]
+            points = [(s, vals) for s, vals in points if vals]
+            if not points:
+                continue
+            xs = [s for s, _ in points]
+            line, = ax.plot(xs, [np.mean(v) for _, v in points], marker="o", markersize=3, label=label)
+            ax.fill_between(xs, [min(v) for _, v in points], [max(v) for _, v in points], alpha=0.2,
+                            color=line.get_color())
+        ax.set_title(MEASURES[measure], fontsize=9)
+        ax.set_xlabel("update step")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(measures):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle("Training dynamics (line: mean over seeds; band: min to max)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=140)
+    plt.close(fig)
+    return path
+
+
+def plot_layer_profiles(records: dict[str, dict], arms: dict[str, str], path: Path) -> Path:
+    """Per-layer measures at each run's last analysed checkpoint, mean over seeds."""
+    plt = pyplot()
+    panels = [("variance", "residual variance (0 = embeddings)", True), ("angular_next", "d(l, l+1)/pi", False),
+              ("jacobian_rel_identity_dev", "||J - I||_F / sqrt(d)", False),
+              ("removal_nats", "removal cost (nats/word)", False)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.4))
+    for ax, (key, title, log_scale) in zip(axes, panels):
+        for arm, label in arms.items():
+            curves = []
+            for record in records.values():
+                if record["arm"] == arm and record.get("analyses") and record["status"] == "finished":
+                    last = max(record["analyses"], key=int)
+                    curves.append([np.nan if v is None else v for v in record["analyses"][last][key]])
+            if curves:
+                width = min(len(c) for c in curves)
+                ax.plot(np.nanmean([c[:width] for c in curves], axis=0), marker="o", markersize=2.5, label=label)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("layer")
+        if log_scale:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=140)
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------------ report bits
+def software_versions() -> str:
+    import importlib.metadata as md
+
+    names = ("torch", "transformers", "tokenizers", "datasets", "lm_eval", "numpy", "matplotlib")
+    return ", ".join(f"{n} {md.version(n)}" for n in names)
+
+
+def machine_description() -> str:
+    cpu = platform.processor() or "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return f"{platform.machine()}, {cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def embedded_train_tokens() -> int:
+    """Tokens in the embedded training split, EOS included (what one epoch of --packing reads)."""
+    from peft_pretraining.dataloader import embedded_split_path, load_tokenizer, read_jsonl_texts
+
+    tokenizer = load_tokenizer("embedded")
+    return sum(len(tokenizer(text)["input_ids"]) + 1 for text in read_jsonl_texts(embedded_split_path("train")))
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "analyse":
+        sys.exit(_analyse_main(sys.argv[2:]))
+    raise SystemExit("usage: study_lib.py analyse --run_dir DIR --steps N [N ...] --settings JSON --out_json PATH")
