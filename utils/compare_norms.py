@@ -39,7 +39,7 @@ BUDGETS = {
 }
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke-test budget (a few minutes)")
     parser.add_argument("--norm_types", nargs="+", default=list(NORM_TYPES), type=str.lower)
@@ -61,6 +61,11 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=None, help="report folder (default: docs/study, or runs/study_quick/report)")
     parser.add_argument("--jobs", type=int, default=2, help="training runs at once (default 2, one per core)")
     parser.add_argument("--fresh", action="store_true", help="retrain even if a finished run with the same flags exists")
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     budget = BUDGETS["quick" if args.quick else "default"]
