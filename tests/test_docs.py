@@ -8,7 +8,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import io
 import importlib
 import re
 import shlex
@@ -305,11 +307,15 @@ def flag_errors(path: Path) -> list[str]:
             where = f"{shown(path)}:{number}: {' '.join(tokens)}"
             try:
                 parser = strict_parser(module_name)
-                parser.parse_args(substitute_placeholders(parser, arguments))
+                with contextlib.redirect_stdout(io.StringIO()):  # --help prints, then exits with 0
+                    parser.parse_args(substitute_placeholders(parser, arguments))
             except ModuleNotFoundError as error:
                 errors.append(f"{where}: cannot import {module_name} ({error})")
-            except (FlagError, SystemExit) as error:
+            except FlagError as error:
                 errors.append(f"{where}: {error}")
+            except SystemExit as error:
+                if error.code:
+                    errors.append(f"{where}: exit {error.code}")
     return errors
 
 
