@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 PARSER_MODULE = {"torchrun_main.py": "peft_pretraining.args_utils"}
 SHELL_LANGUAGES = {"", "bash", "sh", "shell", "console", "zsh"}
 LAUNCHER_PREFIXES = ("do", "then", "else", "time", "exec", "env", "nohup")
-PLACEHOLDER = re.compile(r"\$|<[^<>]+>")
+PLACEHOLDER = re.compile(r"\$")
+ANGLE_PLACEHOLDER = re.compile(r"<[A-Za-z][\w.-]*>")  # <step>, not a redirection
 ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 OPERATORS = {";", "&&", "||", "|", "&", "(", ")", ";;"}
 REDIRECTIONS = {">", ">>", "<", ">&", "<&", "&>"}
@@ -173,6 +174,7 @@ def paragraphs(prose: list[tuple[int, str]]) -> list[tuple[int, str]]:
 
 def split_segments(command: str) -> list[list[str]]:
     """Simple commands of a shell line: split at ; && || | & and parentheses; comments and redirections dropped."""
+    command = ANGLE_PLACEHOLDER.sub("$PLACEHOLDER", command)
     lexer = shlex.shlex(command, posix=True, punctuation_chars=";&|()<>")
     lexer.whitespace_split = True
     lexer.commenters = "#"
@@ -272,7 +274,10 @@ def strict_parser(module_name: str) -> argparse.ArgumentParser:
 
 
 def substitute_placeholders(parser: argparse.ArgumentParser, arguments: list[str]) -> list[str]:
-    """`$VAR`, `<step>` and `...` stand for values: give each a value its flag accepts; `...` goes."""
+    """`$VAR` (and `<step>`, made `$PLACEHOLDER` by the lexer) stands for a value: give it one its flag accepts.
+
+    `...` stands for more flags and goes.
+    """
     result = []
     for token in arguments:
         if token in ("...", "…"):
@@ -377,6 +382,7 @@ def test_checker_catches_a_bad_flag(tmp_path, command):
     "for run in a b; do python layer_remove.py --model_path runs/$run --layer_index $i; done",
     "torchrun --nnodes 2 --rdzv_endpoint $HEAD:29500 torchrun_main.py --model_config c.json --batch_size 32 ...",
     "python -m peft_pretraining.dataloader build-embedded --source /path/to/austen",
+    "python layer_remove.py --model_path runs/<run>/model_<step> --layer_index <i> > log.txt",
     "pip install -r exp_requirements.txt && pytest -q",
 ])
 def test_checker_accepts_good_flags(tmp_path, command):
