@@ -217,9 +217,9 @@ def script_invocation(tokens: list[str]) -> tuple[str, list[str]] | None:
     if program == "torchrun":
         return _torchrun(tokens[1:])
     if program in ("bash", "sh") and len(tokens) > 1 and re.fullmatch(r"(\./)?run_\w+\.sh", tokens[1]):
-        return _run_script(tokens[2:])
+        return _run_script(tokens[1], tokens[2:])
     if re.fullmatch(r"\./run_\w+\.sh", program):
-        return _run_script(tokens[1:])
+        return _run_script(program, tokens[1:])
     return None
 
 
@@ -236,8 +236,10 @@ def _torchrun(tokens: list[str]) -> tuple[str, list[str]] | None:
     return None
 
 
-def _run_script(tokens: list[str]) -> tuple[str, list[str]]:
+def _run_script(script: str, tokens: list[str]) -> tuple[str, list[str]]:
     """run_*.sh NORM_TYPE [POST_NUM] [flags for torchrun_main.py]: the positionals are checked as the flags they set."""
+    if not (REPO / script).is_file():
+        return script, tokens  # reported as a missing script
     arguments, tokens = [], [token for token in tokens if token not in ("...", "…")]
     if tokens and not tokens[0].startswith("-"):
         arguments += ["--norm_type", tokens.pop(0)]
@@ -310,6 +312,9 @@ def flag_errors(path: Path) -> list[str]:
                 continue
             module_name, arguments = invocation
             where = f"{shown(path)}:{number}: {' '.join(tokens)}"
+            if module_name.endswith(".sh"):
+                errors.append(f"{where}: no such script {module_name}")
+                continue
             try:
                 parser = strict_parser(module_name)
                 with contextlib.redirect_stdout(io.StringIO()):  # --help prints, then exits with 0
@@ -368,6 +373,7 @@ FAKE_PAGE = """# A page
     "python torchrun_main.py --norm_type lnss",
     "HF_HUB_OFFLINE=1 python layer_remove.py --model_path M \\\n    --layer_idx 5",
     "python utils/no_such_tool.py --flag",
+    "bash run_13m.sh LNS",
 ])
 def test_checker_catches_a_bad_flag(tmp_path, command):
     page = tmp_path / "page.md"
