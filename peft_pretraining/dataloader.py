@@ -603,13 +603,18 @@ def _trim_targets(batch: dict, surplus: int) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # CLI
 # ----------------------------------------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m peft_pretraining.dataloader", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     build = commands.add_parser("build-embedded", help="rebuild data/embedded/* and data/tokenizer/ from the novels")
     build.add_argument("--source", default=str(DEFAULT_AUSTEN_SOURCE), help="folder with the six *.txt.gz novels")
     build.add_argument("--out_dir", default=str(EMBEDDED_DIR))
     build.add_argument("--tokenizer_dir", default=str(TOKENIZER_DIR))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not pathlib.Path(args.source).is_dir():
         parser.error(f"--source {args.source}: not a directory")

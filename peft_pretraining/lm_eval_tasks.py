@@ -169,13 +169,18 @@ def task_manager(include_paths: Iterable[str | Path] = ()):
     return TaskManager(include_path=paths or None)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", required=True, help="folder to pass to lm_eval --include_path")
     parser.add_argument("--tasks", default=HELDOUT_PERPLEXITY_TASK,
                         help=f"comma-separated local tasks; available: {', '.join(LOCAL_TASK_BUILDERS)}")
     parser.add_argument("--text_file", default=None, help="text for the perplexity task (default: embedded held-out)")
     parser.add_argument("--max_documents", type=int, default=None, help="keep only the first N documents")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     names = [name.strip() for name in args.tasks.split(",") if name.strip()]
     unknown = [name for name in names if name not in LOCAL_TASK_BUILDERS]

@@ -47,7 +47,7 @@ def benchmark(dtype_name: str, args, tokenizer, device) -> None:
           f"mean d(l, n=1) = {np.nanmean(matrix[0]):.3f}", flush=True)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num_tokens", type=int, default=65536)
     parser.add_argument("--max_seq_len", type=int, default=256)
@@ -56,6 +56,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="auto")
     model_io.add_threads_argument(parser)
     parser.add_argument("--text_file", default=str(model_io.EMBEDDED_HELDOUT_TEXT))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     model_io.check_positive(parser, args, "num_tokens", "max_seq_len", "batch_size")
     dtype_names = [name.strip() for name in args.dtypes.split(",") if name.strip()]

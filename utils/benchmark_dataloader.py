@@ -62,7 +62,7 @@ def measure_training(config_path: str, *, max_length: int, batch_size: int, step
             "parameters": sum(p.numel() for p in model.parameters()), "seconds_per_step": elapsed / steps}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="configs/llama_130m.json")
     parser.add_argument("--max_length", type=int, default=256)
@@ -72,6 +72,11 @@ def main() -> None:
     parser.add_argument("--train_batch_size", type=int, default=4, help="training micro-batch (CPU: keep it small)")
     parser.add_argument("--train_steps", type=int, default=2)
     parser.add_argument("--output_json", default=None, help="also write the figures to this JSON file")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     if not pathlib.Path(args.config).is_file():
         parser.error(f"--config {args.config}: no such file")

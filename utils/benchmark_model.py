@@ -100,7 +100,7 @@ def benchmark(config_path, dtype, batch, seq_len, repeats, steps, compile_ours):
     return row
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+",
                         default=[str(REPO / "configs/llama_tiny.json"), str(REPO / "configs/llama_130m.json")])
@@ -111,6 +111,11 @@ def main():
     parser.add_argument("--steps", type=int, default=None, help="steps per timed repeat; default 5 tiny, 1 otherwise")
     parser.add_argument("--compile", action="store_true", help="run ours through torch.compile")
     parser.add_argument("--json", help="also write the rows to this JSON file")
+    return parser
+
+
+def main():
+    parser = build_parser()
     args = parser.parse_args()
     for path in args.configs:
         if not Path(path).is_file():

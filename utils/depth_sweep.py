@@ -50,7 +50,7 @@ PREDICTIONS = [
 ]
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", default="default", choices=sorted(BUDGETS))
     parser.add_argument("--quick", action="store_true", help="same as --budget quick (the CI smoke test)")
@@ -63,6 +63,11 @@ def parse_args(argv=None):
                         help="start no new run after this many hours; the next invocation continues")
     parser.add_argument("--report_only", action="store_true", help="write the report from the saved records")
     parser.add_argument("--fresh", action="store_true", help="retrain and re-analyse even where records exist")
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
         args.budget = "quick"

@@ -16,10 +16,15 @@ from transformers import AutoTokenizer  # noqa: E402
 from peft_pretraining.modeling_llama import LlamaForCausalLM, export_to_hf_llama  # noqa: E402
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="an HF directory saved by this repository")
     parser.add_argument("--out", required=True, help="where to write the stock-HF directory")
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     checkpoint = Path(args.checkpoint)

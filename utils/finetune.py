@@ -1,10 +1,10 @@
 """Supervised fine-tuning (full or LoRA) on instruction data, then zero-shot evaluation with lm-eval.
 
     # GPU node, the paper's SFT setting: Commonsense170K from the hub, LoRA, the eight commonsense tasks + MMLU
-    python utils/finetune.py --model_path runs/llama_1b_lns/final --dataset zwhe99/commonsense_170k \
+    python utils/finetune.py --model_path runs/1b_lns/model_100000 --dataset zwhe99/commonsense_170k \
         --output_dir sft/llama_1b_lns
     # offline: a local LLM-Adapters JSON, the multiple-choice task built from the embedded corpus
-    python utils/finetune.py --model_path runs/tiny-lns/final --dataset my_instructions.json \
+    python utils/finetune.py --model_path runs/tiny_lns/model_150 --dataset my_instructions.json \
         --output_dir sft/tiny --eval_tasks embedded_next_sentence
 
 Data: LLM-Adapters records (instruction, input, output, answer); only the response tokens carry loss.
