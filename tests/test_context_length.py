@@ -134,3 +134,14 @@ def test_export_to_hf_llama_keeps_the_trained_length():
     model = tiny_ours("lns", num_layers=2)
     model.config.train_max_length = TRAINED_LENGTH
     assert export_to_hf_llama(model).config.train_max_length == TRAINED_LENGTH
+
+
+def test_a_fine_tuned_model_keeps_the_trained_length(trained_checkpoint, tmp_path):
+    records = [{"instruction": f"Name colour {i}.", "input": "", "output": f"colour {i}", "answer": f"{i}"}
+               for i in range(4)]
+    data = tmp_path / "instructions.jsonl"
+    data.write_text("".join(json.dumps(record) + "\n" for record in records))
+    finetune.run(["--model_path", str(trained_checkpoint), "--dataset", str(data), "--finetune", "full",
+                  "--max_steps", "1", "--batch_size", "4", "--micro_batch_size", "4", "--eval_tasks", "none",
+                  "--output_dir", str(tmp_path / "sft")])
+    assert json.loads((tmp_path / "sft" / "model" / "config.json").read_text())["train_max_length"] == TRAINED_LENGTH
