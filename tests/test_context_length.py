@@ -125,6 +125,11 @@ def test_hub_model_without_a_recorded_length_uses_max_position_embeddings(tmp_pa
     assert f"max_length={model.config.max_position_embeddings}" in capsys.readouterr().out
 
 
+def test_resolve_context_length_reads_a_config_dict(trained_checkpoint):
+    config = model_io.read_local_config(trained_checkpoint)
+    assert model_io.resolve_context_length(config, None, log=lambda line: None) == TRAINED_LENGTH
+
+
 def test_resolve_context_length_rejects_a_non_positive_request():
     with pytest.raises(ValueError, match="--max_seq_len"):
         model_io.resolve_context_length(tiny_hf_llama(), 0)

@@ -20,6 +20,7 @@ import os
 import sys
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterable, Iterator
 
 import torch
@@ -135,11 +136,15 @@ def load_model_and_tokenizer(model_path: str, dtype: torch.dtype | str = torch.f
 
 # ----------------------------------------------------------------------------- context length
 def resolve_context_length(model_or_config, requested: int | None, log=print) -> int:
-    """Tokens per window for an evaluation: ``requested`` (--max_seq_len) when given, else the length the model was
-    trained at (config ``train_max_length``, written by torchrun_main.py), else ``max_position_embeddings`` (hub
-    models record no trained length). Prints one line saying which length is used and why, plus a warning when
-    ``requested`` goes past the trained length (positions the model never saw in training)."""
+    """Tokens per window for evaluating a model (or its config, or a config.json dict).
+
+    ``requested`` (--max_seq_len) when given, else the length the model was trained at (config
+    ``train_max_length``, written by torchrun_main.py), else ``max_position_embeddings`` (hub models record no
+    trained length). Prints one line saying which length is used and why, plus a warning when ``requested`` goes
+    past the trained length (positions the model never saw in training)."""
     config = getattr(model_or_config, "config", model_or_config)
+    if isinstance(config, dict):  # a config.json read as is (read_local_config)
+        config = SimpleNamespace(**config)
     trained = getattr(config, "train_max_length", None)
     if requested is not None:
         if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
