@@ -140,7 +140,8 @@ def pick_metric(scores: dict, task: str, metric: str | None) -> str:
 
 
 def sweep(model, tokenizer, tasks: list[str], manager, max_length: int, metric: str | None = None,
-          batch_size: int = 8, limit=None, bootstrap_iters: int = 0, layer_indices: list[int] | None = None) -> list[dict]:
+          batch_size: int = 8, limit=None, bootstrap_iters: int = 0,
+          layer_indices: list[int] | None = None) -> list[dict]:
     """Baseline plus one evaluation per removed layer; one row per (removed layer, task).
 
     ``drop`` is the performance lost by removing the layer (positive = worse), whatever the metric's direction:
@@ -325,8 +326,9 @@ def run_sweep(parser, args, device, dtype) -> list[dict]:
         if unknown:
             parser.error(f"--tasks: unknown lm-eval task(s) {', '.join(unknown)}")
         try:
-            rows = sweep(model, tokenizer, tasks, manager, max_length, metric=args.metric, batch_size=args.eval_batch_size,
-                         limit=limit, bootstrap_iters=args.bootstrap_iters, layer_indices=layer_indices)
+            rows = sweep(model, tokenizer, tasks, manager, max_length, metric=args.metric,
+                         batch_size=args.eval_batch_size, limit=limit, bootstrap_iters=args.bootstrap_iters,
+                         layer_indices=layer_indices)
         except ValueError as err:
             parser.error(str(err))
     metadata = dict(model_path=args.model_path, tasks=tasks, limit=args.limit, num_layers=num_layers,

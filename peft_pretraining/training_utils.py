@@ -380,9 +380,11 @@ def load_optimizer_state(model, optimizer, optimizer_state: dict):
 # ----------------------------------------------------------------------------------------------------------------
 
 def _json_safe(value):
-    """NaN/inf are not JSON: write null (the run's status says why)."""
+    """NaN/inf are not JSON: write null (the run's status says why); lists element by element."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    if isinstance(value, list):
+        return [_json_safe(item) for item in value]
     return value
 
 
@@ -458,7 +460,7 @@ def plot_norm_gains(metrics_path: str, png_path: str, title: str = "") -> str | 
     import matplotlib.ticker
 
     steps = [r["step"] for r in rows]
-    colours = matplotlib.colors.Normalize(vmin=min(steps), vmax=max(steps) if max(steps) > min(steps) else min(steps) + 1)
+    colours = matplotlib.colors.Normalize(vmin=min(steps), vmax=max(max(steps), min(steps) + 1))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     num_layers = len(rows[-1]["norm_gain_mean"])
     for row in rows:

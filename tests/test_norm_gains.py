@@ -57,11 +57,11 @@ def test_mixed_precision_logs_every_layers_mean_gain_and_plots_it(tmp_path):
 
 def test_pure_bf16_at_lr_1e_3_prints_one_note_and_the_gains_stay_exactly_one(tmp_path):
     run_dir = tmp_path / "bf16"
-    proc = train(run_dir, "bfloat16", "1e-3", steps=3, eval_every=3)
+    proc = train(run_dir, "bfloat16", "1e-3", steps=2, eval_every=2)
     notes = [line for line in (proc.stdout + proc.stderr).splitlines() if "--dtype mixed" in line]
     assert len(notes) == 1 and "bfloat16" in notes[0]
     assert all(gain == 1.0 for gain in eval_rows(run_dir)[-1]["norm_gain_mean"])
-    assert all(bool((tensor == 1.0).all()) for tensor in checkpoint_norms(run_dir / "model_3").values())
+    assert all(bool((tensor == 1.0).all()) for tensor in checkpoint_norms(run_dir / "model_2").values())
 
 
 def test_the_note_threshold_is_where_bf16_rounds_an_update_away_at_one():
@@ -90,3 +90,10 @@ def test_mean_norm_gains_reads_through_a_wrapper():
 
     assert training_utils.mean_norm_gains(Wrapper(model)) == [1.0, 2.0, 3.0]
     assert training_utils.final_norm_gain(Wrapper(model)) == 0.5
+
+
+def test_a_layer_without_norms_is_logged_as_null(tmp_path):
+    metrics = training_utils.MetricsFile(str(tmp_path / "metrics.jsonl"))
+    metrics.write({"step": 1, "norm_gain_mean": [1.0, float("nan")]})
+    metrics.close()
+    assert training_utils.read_metrics(str(tmp_path / "metrics.jsonl")) == [{"step": 1, "norm_gain_mean": [1.0, None]}]
