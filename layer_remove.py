@@ -92,9 +92,12 @@ def layer_removed(model, layer_index: int):
                 delattr(model.config, key)
 
 
-def lm_eval_command(model_path: str | Path, our_checkpoint: bool, tasks: str = "mmlu", gpu: bool = True) -> str:
-    """The lm-eval CLI call for a saved model (ours needs trust_remote_code to load our class)."""
-    model_args = f"pretrained={Path(model_path).resolve()},dtype={'bfloat16' if gpu else 'float32'}"
+def lm_eval_command(model_path: str | Path, our_checkpoint: bool, max_length: int, tasks: str = "mmlu",
+                    gpu: bool = True) -> str:
+    """The lm-eval CLI call for a saved model (ours needs trust_remote_code to load our class); max_length keeps
+    lm-eval inside the context the model was trained at."""
+    model_args = (f"pretrained={Path(model_path).resolve()},dtype={'bfloat16' if gpu else 'float32'},"
+                  f"max_length={max_length}")
     if our_checkpoint:
         model_args += ",trust_remote_code=True"
     device = "--device cuda:0 --batch_size auto" if gpu else "--device cpu --batch_size 8"
@@ -102,12 +105,14 @@ def lm_eval_command(model_path: str | Path, our_checkpoint: bool, tasks: str = "
 
 
 # ----------------------------------------------------------------------------- sweep
-def evaluate(model, tokenizer, tasks: list[str], manager, batch_size: int, limit, bootstrap_iters: int) -> dict:
-    """lm-eval on an in-memory model; returns {task: {metric: (value, higher_is_better)}}."""
+def evaluate(model, tokenizer, tasks: list[str], manager, batch_size: int, limit, bootstrap_iters: int,
+             max_length: int) -> dict:
+    """lm-eval on an in-memory model, never feeding it more than max_length positions (rolling-perplexity windows
+    and truncated contexts are cut there); returns {task: {metric: (value, higher_is_better)}}."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=batch_size)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=batch_size, max_length=max_length)
     output = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
                              bootstrap_iters=bootstrap_iters, log_samples=False)
     scores = {}
@@ -134,8 +139,9 @@ def pick_metric(scores: dict, task: str, metric: str | None) -> str:
     return matches[0]
 
 
-def sweep(model, tokenizer, tasks: list[str], manager, metric: str | None = None, batch_size: int = 8,
-          limit=None, bootstrap_iters: int = 0, layer_indices: list[int] | None = None) -> list[dict]:
+def sweep(model, tokenizer, tasks: list[str], manager, max_length: int, metric: str | None = None,
+          batch_size: int = 8, limit=None, bootstrap_iters: int = 0,
+          layer_indices: list[int] | None = None) -> list[dict]:
     """Baseline plus one evaluation per removed layer; one row per (removed layer, task).
 
     ``drop`` is the performance lost by removing the layer (positive = worse), whatever the metric's direction:
@@ -146,13 +152,13 @@ def sweep(model, tokenizer, tasks: list[str], manager, metric: str | None = None
     for index in layer_indices:
         check_layer_index(index, num_layers)
 
-    baseline = evaluate(model, tokenizer, tasks, manager, batch_size, limit, bootstrap_iters)
+    baseline = evaluate(model, tokenizer, tasks, manager, batch_size, limit, bootstrap_iters, max_length)
     metric_by_task = {task: pick_metric(baseline, task, metric) for task in tasks}
     rows = [dict(removed_layer=None, task=task, metric=metric_by_task[task],
                  value=baseline[task][metric_by_task[task]][0], drop=0.0, relative_drop=0.0) for task in tasks]
     for index in tqdm(layer_indices, desc="removing layers", unit="layer", dynamic_ncols=True):
         with layer_removed(model, index):
-            scores = evaluate(model, tokenizer, tasks, manager, batch_size, limit, bootstrap_iters)
+            scores = evaluate(model, tokenizer, tasks, manager, batch_size, limit, bootstrap_iters, max_length)
         for task in tasks:
             key = metric_by_task[task]
             base_value, higher_is_better = baseline[task][key]
@@ -225,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
                              f"else the local {lm_eval_tasks.HELDOUT_PERPLEXITY_TASK}")
     parser.add_argument("--metric", default=None, help="metric to tabulate (default: each task's first metric)")
     parser.add_argument("--layers", default=None, help="comma-separated layer indices to sweep (default: all)")
+    model_io.add_context_argument(parser)
     parser.add_argument("--limit", type=float, default=None, help="lm-eval limit per task (testing only)")
     parser.add_argument("--eval_batch_size", type=int, default=8, help="lm-eval batch size")
     parser.add_argument("--bootstrap_iters", type=int, default=0,
@@ -267,17 +274,18 @@ def run_single(parser, args, device, dtype) -> None:
     except ValueError as err:
         parser.error(str(err))
     model, tokenizer = model_io.load_model_and_tokenizer(args.model_path, dtype, device, args.tokenizer)
+    max_length = model_io.resolve_context_length(model, args.max_seq_len)
     remove_layer(model, args.layer_index)
     model.save_pretrained(save_path)
     tokenizer.save_pretrained(save_path)
     ours = is_our_config(model.config)
     print(f"removed layer {args.layer_index}; saved a {model.config.num_hidden_layers}-layer model to {save_path}")
     print("evaluate it with:")
-    print(f"  {lm_eval_command(save_path, ours)}")
+    print(f"  {lm_eval_command(save_path, ours, max_length)}")
     print("offline on a CPU, from the repository root (held-out perplexity task built from the embedded novel):")
     task_dir = f"{save_path.resolve()}_tasks"
     print(f"  python -m peft_pretraining.lm_eval_tasks --output_dir {task_dir} && "
-          f"{lm_eval_command(save_path, ours, lm_eval_tasks.HELDOUT_PERPLEXITY_TASK, gpu=False)} "
+          f"{lm_eval_command(save_path, ours, max_length, lm_eval_tasks.HELDOUT_PERPLEXITY_TASK, gpu=False)} "
           f"--include_path {task_dir}")
 
 
@@ -304,6 +312,7 @@ def run_sweep(parser, args, device, dtype) -> list[dict]:
             parser.error(str(err).replace("--layer_index", "--layers"))
 
     model, tokenizer = model_io.load_model_and_tokenizer(args.model_path, dtype, device, args.tokenizer)
+    max_length = model_io.resolve_context_length(model, args.max_seq_len)
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
     with tempfile.TemporaryDirectory(prefix="lm_eval_tasks_") as task_dir:
         heldout_options = {"text_file": args.task_text_file, "max_documents": args.task_max_documents}
@@ -317,11 +326,13 @@ def run_sweep(parser, args, device, dtype) -> list[dict]:
         if unknown:
             parser.error(f"--tasks: unknown lm-eval task(s) {', '.join(unknown)}")
         try:
-            rows = sweep(model, tokenizer, tasks, manager, metric=args.metric, batch_size=args.eval_batch_size,
-                         limit=limit, bootstrap_iters=args.bootstrap_iters, layer_indices=layer_indices)
+            rows = sweep(model, tokenizer, tasks, manager, max_length, metric=args.metric,
+                         batch_size=args.eval_batch_size, limit=limit, bootstrap_iters=args.bootstrap_iters,
+                         layer_indices=layer_indices)
         except ValueError as err:
             parser.error(str(err))
     metadata = dict(model_path=args.model_path, tasks=tasks, limit=args.limit, num_layers=num_layers,
+                    max_seq_len=max_length,
                     drop="performance lost when the layer is removed (positive = worse)")
     for path in save_sweep(rows, Path(args.output_dir), metadata):
         print(f"wrote {path}")
@@ -332,6 +343,7 @@ def main(argv: list[str] | None = None):
     parser = build_parser()
     args = parser.parse_args(argv)
     model_io.check_positive(parser, args, "eval_batch_size")
+    model_io.check_positive_or_none(parser, args, "max_seq_len")
     try:
         device = model_io.resolve_device(args.device)
         dtype = model_io.resolve_dtype(args.dtype, device)

@@ -82,6 +82,8 @@ def build_model_config(args, tokenizer, log):
     config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     if tokenizer.bos_token_id is not None:
         config.bos_token_id = tokenizer.bos_token_id
+    # Evaluation tools stay inside the context the model was trained at (utils/model_io.resolve_context_length).
+    config.train_max_length = args.max_length
     return config
 
 
@@ -196,6 +198,9 @@ def train(args, rank: int, world_size: int, device) -> int:
     log(f"model: {args.model_config} norm_type={config.norm_type} post_num={config.post_num} "
         f"init={config.init_method} params={n_params / 1e6:.2f}M dtype={args.dtype} device={device} "
         f"world_size={world_size} wrap={'fsdp2' if args.fsdp else 'ddp' if world_size > 1 else 'none'}")
+    frozen_gains_note = training_utils.pure_bf16_note(args.dtype, args.optimizer, args.lr)
+    if frozen_gains_note:
+        log(frozen_gains_note)
 
     # ---- data: open both splits now, so a wrong name or a missing split fails before any training ----------
     data_source = dict(dataset=args.dataset, dataset_path=args.dataset_path, dataset_config=args.dataset_config,
@@ -323,7 +328,9 @@ def train(args, rank: int, world_size: int, device) -> int:
                "tokens_per_s": step_tokens / (time.perf_counter() - update_start)}
         if update_step % args.eval_every == 0 or update_step == args.num_training_steps:
             last_eval = dict(run_eval(), step=update_step)
-            row.update(eval_loss=last_eval["eval_loss"], eval_ppl=last_eval["eval_ppl"])
+            row.update(eval_loss=last_eval["eval_loss"], eval_ppl=last_eval["eval_ppl"],  # gains: every rank (FSDP)
+                       norm_gain_mean=training_utils.mean_norm_gains(model),
+                       final_norm_gain_mean=training_utils.final_norm_gain(model))
             log(f"step {update_step}: eval loss {last_eval['eval_loss']:.4f} ppl {last_eval['eval_ppl']:.2f} "
                 f"over {last_eval['eval_tokens']} tokens")
         if is_main:
@@ -360,6 +367,8 @@ def train(args, rank: int, world_size: int, device) -> int:
         json.dump({k: training_utils._json_safe(v) for k, v in results.items()}, f, indent=2)
     plot_path = os.path.join(run_dir, "loss_curve.png")
     training_utils.plot_loss_curve(metrics_path, plot_path, title=f"{args.run_name} ({status})")
+    gains_plot_path = training_utils.plot_norm_gains(metrics_path, os.path.join(run_dir, "norm_gains.png"),
+                                                     title=f"{args.run_name}: mean RMSNorm gain per layer")
     wandb_dir = wandb_run.dir if wandb_run is not None else None
     if wandb_run is not None:
         wandb_run.summary.update({k: v for k, v in results.items() if v is not None})
@@ -369,6 +378,7 @@ def train(args, rank: int, world_size: int, device) -> int:
           + (f"\neval:       loss {results['final_eval_loss']:.4f}, ppl {results['final_eval_ppl']:.2f} over "
              f"{results['eval_tokens']} tokens" if status == "finished" else "")
           + f"\nrun folder: {run_dir}\nmetrics:    {metrics_path}\nresults:    {results_path}\nplot:       {plot_path}"
+          + (f"\nnorm gains: {gains_plot_path}" if gains_plot_path else "")
           + f"\ncheckpoint: {last_checkpoint or 'none written by this run'}"
           + (f"\nwandb:      {wandb_dir} ({training_utils.wandb_mode()})" if wandb_dir else ""),
           flush=True)

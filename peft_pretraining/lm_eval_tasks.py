@@ -64,7 +64,9 @@ def build_heldout_perplexity_task(output_dir: str | Path, text_file: str | Path 
     """Perplexity of held-out text through ``loglikelihood_rolling`` (like lm-eval's wikitext task).
 
     Default text: the embedded held-out novel (never seen in training). Reports word_perplexity,
-    byte_perplexity and bits_per_byte; lower is better.
+    byte_perplexity and bits_per_byte; lower is better. lm-eval scores each document in rolling windows of
+    HFLM's ``max_length`` tokens (``max_position_embeddings`` unless given), so callers pass the length the model
+    was trained at (``utils.model_io.resolve_context_length``; ``max_length=`` in the CLI's --model_args).
     """
     texts = read_texts(text_file or EMBEDDED_HELDOUT)
     if max_documents is not None:
@@ -195,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(err))
     for folder in folders:
         print(f"wrote {folder}")
-    print(f"use with: lm_eval --include_path {Path(args.output_dir).resolve()} --tasks {','.join(names)} ...")
+    print(f"use with: lm_eval --include_path {Path(args.output_dir).resolve()} --tasks {','.join(names)} "
+          "--model hf --model_args pretrained=MODEL,max_length=TRAINED_LENGTH ...")
 
 
 if __name__ == "__main__":

@@ -118,6 +118,60 @@ def grad_norm_and_clip(parameters, max_norm: float) -> float:
     return float(norm)
 
 
+# bf16 has 8 significant bits: next to 1.0 its spacing is 2**-7, so an update smaller than half of that rounds away.
+BF16_SMALLEST_UPDATE_AT_ONE = 2.0 ** -8
+
+
+def pure_bf16_note(dtype: str, optimizer: str, lr: float) -> str | None:
+    """A one-line start-up note when pure-bf16 weights cannot take Adam's steps (about lr in size) at 1.0, where
+    the RMSNorm gains start: they then stay exactly 1.0 for the whole run. None when the setting is fine."""
+    if dtype != "bfloat16" or optimizer not in ("adam", "adamw") or lr >= BF16_SMALLEST_UPDATE_AT_ONE:
+        return None
+    return (f"note: with --dtype bfloat16 the weights are bf16, where an {optimizer} step of about --lr {lr:g} "
+            f"(< 2^-8 = {BF16_SMALLEST_UPDATE_AT_ONE:.1e}) rounds away at 1.0, so every RMSNorm gain stays exactly "
+            "1.0; --dtype mixed keeps fp32 master weights and lets them train")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Norm gains
+# ----------------------------------------------------------------------------------------------------------------
+
+def _backbone(model):
+    """The decoder backbone of a possibly wrapped model (torch.compile, DDP); FSDP2 wraps in place."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(getattr(model, "module", None), torch.nn.Module):
+            model = model.module
+        else:
+            break
+    return model.get_decoder() if hasattr(model, "get_decoder") else model
+
+
+def _full_mean(weights) -> float:
+    """Mean of some (possibly FSDP-sharded DTensor) parameters; collective under FSDP, so every rank calls it."""
+    with torch.no_grad():
+        full = [w.full_tensor() if hasattr(w, "full_tensor") else w for w in weights]
+        return float(torch.cat([w.detach().float().flatten() for w in full]).mean())
+
+
+def mean_norm_gains(model) -> list[float]:
+    """Per decoder layer, the mean of all its norm gains (input_layernorm and post_attention_layernorm, and any
+    other submodule named *norm* with a weight). Both RMSNorms start at 1.0."""
+    gains = []
+    for layer in _backbone(model).layers:
+        weights = [module.weight for name, module in layer.named_modules()
+                   if "norm" in name.rsplit(".", 1)[-1].lower() and isinstance(getattr(module, "weight", None),
+                                                                               torch.Tensor)]
+        gains.append(_full_mean(weights) if weights else float("nan"))
+    return gains
+
+
+def final_norm_gain(model) -> float:
+    """Mean gain of the final norm (before the LM head)."""
+    return _full_mean([_backbone(model).norm.weight])
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Evaluation
 # ----------------------------------------------------------------------------------------------------------------
@@ -326,9 +380,11 @@ def load_optimizer_state(model, optimizer, optimizer_state: dict):
 # ----------------------------------------------------------------------------------------------------------------
 
 def _json_safe(value):
-    """NaN/inf are not JSON: write null (the run's status says why)."""
+    """NaN/inf are not JSON: write null (the run's status says why); lists element by element."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    if isinstance(value, list):
+        return [_json_safe(item) for item in value]
     return value
 
 
@@ -390,6 +446,43 @@ def plot_loss_curve(metrics_path: str, png_path: str, title: str = ""):
     fig.tight_layout()
     fig.savefig(png_path, dpi=120)
     plt.close(fig)
+
+
+def plot_norm_gains(metrics_path: str, png_path: str, title: str = "") -> str | None:
+    """Mean norm gain against depth, one line per evaluation, coloured by update step (the final norm is the last
+    point). Returns the path, or None when metrics.jsonl holds no gains."""
+    rows = [r for r in read_metrics(metrics_path) if r.get("norm_gain_mean")]
+    if not rows:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    steps = [r["step"] for r in rows]
+    colours = matplotlib.colors.Normalize(vmin=min(steps), vmax=max(max(steps), min(steps) + 1))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    num_layers = len(rows[-1]["norm_gain_mean"])
+    for row in rows:
+        gains = list(row["norm_gain_mean"]) + [row.get("final_norm_gain_mean")]
+        ax.plot(range(len(gains)), [float("nan") if g is None else g for g in gains], "o-", markersize=3,
+                linewidth=1, color=plt.cm.viridis(colours(row["step"])))
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8, label="initial gain 1.0")
+    ticks = list(range(0, num_layers, max(1, num_layers // 8))) + [num_layers]
+    ax.set_xticks(ticks, [str(t) for t in ticks[:-1]] + ["final"])
+    ax.set_xlabel("decoder layer (0-based); last point: final norm")
+    ax.set_ylabel("mean RMSNorm gain")
+    ax.ticklabel_format(axis="y", useOffset=False)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best")
+    bar = fig.colorbar(plt.cm.ScalarMappable(norm=colours, cmap="viridis"), ax=ax, label="update step")
+    bar.locator = matplotlib.ticker.MaxNLocator(integer=True)
+    bar.update_ticks()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    return png_path
 
 
 def wandb_api_key_available() -> bool:

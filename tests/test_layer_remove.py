@@ -170,8 +170,9 @@ def test_cli_removes_a_layer_and_prints_the_lm_eval_command(tmp_path):
     result = run_cli("layer_remove.py", "--model_path", str(model_dir), "--layer_index", "0",
                      "--save_path", str(save_path))
     assert result.returncode == 0, result.stderr
-    assert f"lm_eval --model hf --model_args pretrained={save_path.resolve()},dtype=bfloat16,trust_remote_code=True " \
-        in result.stdout
+    # No trained length recorded: lm-eval's own default, max_position_embeddings, is spelled out.
+    assert f"lm_eval --model hf --model_args pretrained={save_path.resolve()},dtype=bfloat16,max_length=1024," \
+           "trust_remote_code=True " in result.stdout
     config = json.loads((save_path / "config.json").read_text())
     assert config["num_hidden_layers"] == 3
     assert config["layer_norm_types"] == ["pre", "pre", "pre"] and config["layer_depths"] == [2, 3, 4]

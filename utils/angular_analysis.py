@@ -158,12 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> np.ndarray:
     parser = build_parser()
     args = parser.parse_args(argv)
-    model_io.check_positive(parser, args, "num_tokens", "max_seq_len", "batch_size")
+    model_io.check_positive(parser, args, "num_tokens", "batch_size")
+    model_io.check_positive_or_none(parser, args, "max_seq_len")
     model_io.apply_threads(parser, args)
     device, dtype, source = model_io.resolve_run_settings(parser, args)
 
     model, tokenizer = model_io.load_model_and_tokenizer(args.model_path, dtype, device, args.tokenizer)
-    batches = model_io.token_batches(tokenizer, source, args.max_seq_len, args.num_tokens, args.batch_size)
+    max_seq_len = model_io.resolve_context_length(model, args.max_seq_len)
+    batches = model_io.token_batches(tokenizer, source, max_seq_len, args.num_tokens, args.batch_size)
     try:
         matrix, num_tokens = compute_angular_distances(model, batches, total_tokens=args.num_tokens, device=device)
     except ValueError as err:  # an empty text
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> np.ndarray:
 
     source_name = "C4 en validation" if source[0] == "c4" else str(source[1])
     metadata = dict(model_path=args.model_path, num_layers=matrix.shape[1], num_tokens=num_tokens,
-                    text=source_name, max_seq_len=args.max_seq_len, dtype=str(dtype).replace("torch.", ""),
+                    text=source_name, max_seq_len=max_seq_len, dtype=str(dtype).replace("torch.", ""),
                     definition="mean over real tokens of arccos(cos(h_l, h_{l+n}))/pi; h_0 = input of layer 0, "
                                "h_l = output of layer l-1 (residual stream, before the final norm)")
     output_dir = Path(args.output_dir)

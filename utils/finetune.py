@@ -57,7 +57,7 @@ from peft_pretraining.training_utils import (  # noqa: E402
     plot_loss_curve,
     seed_everything,
 )
-from utils.model_io import load_model_and_tokenizer, resolve_device  # noqa: E402
+from utils.model_io import load_model_and_tokenizer, resolve_context_length, resolve_device  # noqa: E402
 
 # The paper's SFT evaluation (lm-eval task names); "siqa" is lm-eval's social_iqa.
 PAPER_TASKS = ("boolq", "piqa", "social_iqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  "auto = paper,mmlu online and the local task offline")
     evaluation.add_argument("--eval_limit", type=float, default=None, help="examples per task (lm-eval --limit)")
     evaluation.add_argument("--eval_batch_size", type=int, default=16)
+    evaluation.add_argument("--max_seq_len", type=int, default=None,
+                            help="most tokens lm-eval feeds the model at once (default: the length the model was "
+                                 "pretrained at, config train_max_length; for hub models, max_position_embeddings)")
     evaluation.add_argument("--table_metric", choices=("acc", "acc_norm"), default="acc")
     evaluation.add_argument("--mc_corpus", default=str(EMBEDDED_HELDOUT),
                             help=f"passages for {NEXT_SENTENCE_TASK} (.jsonl[.gz] with text, or .txt[.gz])")
@@ -158,6 +161,8 @@ def check_args(args, parser: argparse.ArgumentParser):
         parser.error(f"--batch_size {args.batch_size} is not a multiple of --micro_batch_size {args.micro_batch_size}")
     if args.max_steps is not None and args.max_steps <= 0:
         parser.error(f"--max_steps must be positive, got {args.max_steps}")
+    if args.max_seq_len is not None and args.max_seq_len < 1:
+        parser.error(f"--max_seq_len must be positive, got {args.max_seq_len}")
     if args.num_epochs <= 0:
         parser.error(f"--num_epochs must be positive, got {args.num_epochs}")
     if not 0.0 <= args.lora_dropout < 1.0:
@@ -335,7 +340,7 @@ def evaluate_tasks(model, tokenizer, args) -> dict:
     needs_builtin = any(task not in LOCAL_TASK_BUILDERS for task in args.eval_tasks)
     # Scanning lm-eval's own task tree takes seconds; skip it when every task is one of ours.
     task_manager = TaskManager(include_path=local_folders or None, include_defaults=needs_builtin)
-    max_length = getattr(model.config, "max_position_embeddings", None) or 2048
+    max_length = resolve_context_length(model, args.max_seq_len)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=args.eval_batch_size, max_length=max_length)
     limit = int(args.eval_limit) if args.eval_limit and args.eval_limit >= 1 else args.eval_limit
     output = simple_evaluate(model=lm, tasks=list(args.eval_tasks), task_manager=task_manager, limit=limit,

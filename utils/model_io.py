@@ -20,6 +20,7 @@ import os
 import sys
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterable, Iterator
 
 import torch
@@ -131,6 +132,39 @@ def load_model_and_tokenizer(model_path: str, dtype: torch.dtype | str = torch.f
         raise SystemExit(f"--tokenizer: the tokenizer has {len(tokenizer)} tokens but {model_path!r} "
                          f"embeds only {vocab_size}; pass the tokenizer the model was trained with")
     return model, tokenizer
+
+
+# ----------------------------------------------------------------------------- context length
+def resolve_context_length(model_or_config, requested: int | None, log=print) -> int:
+    """Tokens per window for evaluating a model (or its config, or a config.json dict).
+
+    ``requested`` (--max_seq_len) when given, else the length the model was trained at (config
+    ``train_max_length``, written by torchrun_main.py), else ``max_position_embeddings`` (hub models record no
+    trained length). Prints one line saying which length is used and why, plus a warning when ``requested`` goes
+    past the trained length (positions the model never saw in training)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    if isinstance(config, dict):  # a config.json read as is (read_local_config)
+        config = SimpleNamespace(**config)
+    trained = getattr(config, "train_max_length", None)
+    if requested is not None:
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+            raise ValueError(f"--max_seq_len: must be a positive integer, got {requested!r}")
+        log(f"[context] {requested} tokens per window (--max_seq_len)")
+        if trained is not None and requested > trained:
+            log(f"[context] warning: --max_seq_len {requested} exceeds the trained context {trained}; "
+                f"positions past {trained} were never seen in training")
+        return requested
+    if trained is not None:
+        log(f"[context] {trained} tokens per window: the model was trained at that length (config "
+            "train_max_length; --max_seq_len overrides)")
+        return int(trained)
+    fallback = getattr(config, "max_position_embeddings", None)
+    if fallback is None:
+        raise ValueError("--max_seq_len: the model's config records neither train_max_length nor "
+                         "max_position_embeddings; pass --max_seq_len")
+    log(f"[context] {fallback} tokens per window: the model records no trained length, so its "
+        "max_position_embeddings (--max_seq_len overrides)")
+    return int(fallback)
 
 
 # ----------------------------------------------------------------------------- residual stream
@@ -352,8 +386,22 @@ def add_text_arguments(parser, default_num_tokens: int) -> None:
     parser.add_argument("--text_file", default=None, help="local text file (.txt or .txt.gz); overrides --dataset")
     parser.add_argument("--num_tokens", type=int, default=default_num_tokens,
                         help="number of real (non-pad) tokens to analyse")
-    parser.add_argument("--max_seq_len", type=int, default=256, help="tokens per window")
+    add_context_argument(parser)
     parser.add_argument("--batch_size", type=int, default=8, help="windows per forward pass")
+
+
+def add_context_argument(parser) -> None:
+    """--max_seq_len, shared by every evaluation tool; None resolves through resolve_context_length."""
+    parser.add_argument("--max_seq_len", type=int, default=None,
+                        help="tokens per window (default: the length the model was trained at, from its config's "
+                             "train_max_length; for hub models without one, max_position_embeddings)")
+
+
+def check_positive_or_none(parser, args, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name}: must be a positive integer, got {value}")
 
 
 def check_positive(parser, args, *names: str) -> None:

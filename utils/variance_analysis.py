@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = build_parser()
     args = parser.parse_args(argv)
-    model_io.check_positive(parser, args, "num_tokens", "max_seq_len", "batch_size")
+    model_io.check_positive(parser, args, "num_tokens", "batch_size")
+    model_io.check_positive_or_none(parser, args, "max_seq_len")
     model_io.apply_threads(parser, args)
     labels = args.labels or [Path(path.rstrip("/")).name for path in args.model_paths]
     if len(labels) != len(args.model_paths):
@@ -131,15 +132,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results = []
     for label, model_path in zip(labels, args.model_paths):
         model, tokenizer = model_io.load_model_and_tokenizer(model_path, dtype, device, args.tokenizer)
-        batches = model_io.token_batches(tokenizer, source, args.max_seq_len, args.num_tokens, args.batch_size)
+        max_seq_len = model_io.resolve_context_length(model, args.max_seq_len)
+        batches = model_io.token_batches(tokenizer, source, max_seq_len, args.num_tokens, args.batch_size)
         try:
             statistics, num_tokens = residual_statistics(model, batches, args.num_tokens, device, desc=label)
         except ValueError as err:  # an empty text
             parser.error(f"--text_file/--dataset: {err}")
-        results.append(dict(label=label, model_path=model_path, num_tokens=num_tokens, **statistics))
+        results.append(dict(label=label, model_path=model_path, num_tokens=num_tokens, max_seq_len=max_seq_len,
+                            **statistics))
         del model
     source_name = "C4 en validation" if source[0] == "c4" else str(source[1])
-    metadata = dict(text=source_name, max_seq_len=args.max_seq_len, dtype=str(dtype).replace("torch.", ""),
+    metadata = dict(text=source_name, dtype=str(dtype).replace("torch.", ""),
                     definition="per depth, over all real tokens and channels: variance = E[h^2]-E[h]^2, "
                                "rms = sqrt(E[h^2]); depth 0 = input of layer 0, depth l = output of layer l-1")
     for path in save_results(results, Path(args.output_dir), metadata):
