@@ -125,6 +125,14 @@ def test_hub_model_without_a_recorded_length_uses_max_position_embeddings(tmp_pa
     assert f"max_length={model.config.max_position_embeddings}" in capsys.readouterr().out
 
 
+def test_stream_tools_keep_their_256_window_for_hub_models(tmp_path, capsys):
+    """Hub models record no trained length: the angular tool keeps its old 256-token windows (not 1024)."""
+    model = tiny_hf_llama()
+    assert model_io.resolve_context_length(model, None, fallback=model_io.HUB_STREAM_WINDOW) == 256
+    assert "256 tokens per window: the model records no trained length, so this tool's default" in \
+        capsys.readouterr().out
+
+
 def test_resolve_context_length_reads_a_config_dict(trained_checkpoint):
     config = model_io.read_local_config(trained_checkpoint)
     assert model_io.resolve_context_length(config, None, log=lambda line: None) == TRAINED_LENGTH

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> np.ndarray:
     device, dtype, source = model_io.resolve_run_settings(parser, args)
 
     model, tokenizer = model_io.load_model_and_tokenizer(args.model_path, dtype, device, args.tokenizer)
-    max_seq_len = model_io.resolve_context_length(model, args.max_seq_len)
+    max_seq_len = model_io.resolve_context_length(model, args.max_seq_len, fallback=model_io.HUB_STREAM_WINDOW)
     batches = model_io.token_batches(tokenizer, source, max_seq_len, args.num_tokens, args.batch_size)
     try:
         matrix, num_tokens = compute_angular_distances(model, batches, total_tokens=args.num_tokens, device=device)

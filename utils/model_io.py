@@ -33,6 +33,7 @@ REPO_TOKENIZER = TOKENIZER_DIR
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TEXT_SOURCES = ("c4", "embedded")
+HUB_STREAM_WINDOW = 256  # residual-stream tools' window for hub models that record no trained length
 
 
 # ----------------------------------------------------------------------------- devices and dtypes
@@ -135,12 +136,13 @@ def load_model_and_tokenizer(model_path: str, dtype: torch.dtype | str = torch.f
 
 
 # ----------------------------------------------------------------------------- context length
-def resolve_context_length(model_or_config, requested: int | None, log=print) -> int:
+def resolve_context_length(model_or_config, requested: int | None, log=print, fallback: int | None = None) -> int:
     """Tokens per window for evaluating a model (or its config, or a config.json dict).
 
     ``requested`` (--max_seq_len) when given, else the length the model was trained at (config
-    ``train_max_length``, written by torchrun_main.py), else ``max_position_embeddings`` (hub models record no
-    trained length). Prints one line saying which length is used and why, plus a warning when ``requested`` goes
+    ``train_max_length``, written by torchrun_main.py), else the tool's own ``fallback`` for hub models, which record
+    no trained length (the angular and variance tools keep their 256-token windows), else
+    ``max_position_embeddings`` (what lm-eval uses by default). Prints one line saying which length is used and why, plus a warning when ``requested`` goes
     past the trained length (positions the model never saw in training)."""
     config = getattr(model_or_config, "config", model_or_config)
     if isinstance(config, dict):  # a config.json read as is (read_local_config)
@@ -158,6 +160,10 @@ def resolve_context_length(model_or_config, requested: int | None, log=print) ->
         log(f"[context] {trained} tokens per window: the model was trained at that length (config "
             "train_max_length; --max_seq_len overrides)")
         return int(trained)
+    if fallback is not None:
+        log(f"[context] {fallback} tokens per window: the model records no trained length, so this tool's default "
+            "(--max_seq_len overrides)")
+        return int(fallback)
     fallback = getattr(config, "max_position_embeddings", None)
     if fallback is None:
         raise ValueError("--max_seq_len: the model's config records neither train_max_length nor "
@@ -394,7 +400,8 @@ def add_context_argument(parser) -> None:
     """--max_seq_len, shared by every evaluation tool; None resolves through resolve_context_length."""
     parser.add_argument("--max_seq_len", type=int, default=None,
                         help="tokens per window (default: the length the model was trained at, from its config's "
-                             "train_max_length; for hub models without one, max_position_embeddings)")
+                             "train_max_length; for hub models without one, 256 for the residual-stream tools and "
+                             "max_position_embeddings for lm-eval)")
 
 
 def check_positive_or_none(parser, args, *names: str) -> None:

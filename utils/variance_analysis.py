@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results = []
     for label, model_path in zip(labels, args.model_paths):
         model, tokenizer = model_io.load_model_and_tokenizer(model_path, dtype, device, args.tokenizer)
-        max_seq_len = model_io.resolve_context_length(model, args.max_seq_len)
+        max_seq_len = model_io.resolve_context_length(model, args.max_seq_len, fallback=model_io.HUB_STREAM_WINDOW)
         batches = model_io.token_batches(tokenizer, source, max_seq_len, args.num_tokens, args.batch_size)
         try:
             statistics, num_tokens = residual_statistics(model, batches, args.num_tokens, device, desc=label)
