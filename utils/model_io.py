@@ -133,6 +133,20 @@ def load_model_and_tokenizer(model_path: str, dtype: torch.dtype | str = torch.f
     return model, tokenizer
 
 
+def resolve_context_length(model_or_config, requested: int | None, log=print) -> int:
+    """The context length an evaluation should use: ``requested`` when given, else the ``train_max_length`` recorded in
+    the checkpoint's config, else ``max_position_embeddings`` (hub models), which is printed with ``log``."""
+    if requested is not None:
+        return int(requested)
+    config = getattr(model_or_config, "config", model_or_config)
+    trained = getattr(config, "train_max_length", None)
+    if trained:
+        return int(trained)
+    length = int(config.max_position_embeddings)
+    log(f"[model_io] no train_max_length in the model's config; using max_position_embeddings = {length}")
+    return length
+
+
 # ----------------------------------------------------------------------------- residual stream
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The list of decoder blocks (``model.model.layers`` for Llama, Qwen2/3, Mistral and ours)."""
