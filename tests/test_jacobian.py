@@ -236,3 +236,12 @@ def test_bad_flags_are_one_line_errors_before_any_work(tmp_path, capsys, flags, 
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert exit_info.value.code == 2 and named in error
     assert not out.exists()
+
+
+def test_a_bfloat16_model_is_differentiated_in_float32():
+    model = tiny_hf_llama(num_layers=2)
+    reference = measure_jacobians(model, SAMPLES, probes=0, heatmap=False).rows
+    low_precision = measure_jacobians(model.to(torch.bfloat16), SAMPLES, probes=0, heatmap=False).rows
+    for row, row_bf16 in zip(reference, low_precision):  # only the bf16 forward up to the block differs
+        assert row_bf16["rel_identity_dev"] == pytest.approx(row["rel_identity_dev"], rel=0.05)
+        assert row_bf16["mean_diag"] == pytest.approx(row["mean_diag"], abs=1e-3)

@@ -189,14 +189,14 @@ class Verdict:
     dropped: dict = field(default_factory=dict)
 
     def line(self) -> str:
-        """'claim: STATUS — effect +0.123 [95% CI +0.050, +0.200], 3/3 seeds agree with the paper' (+ reason)."""
+        """'claim: STATUS — effect +0.123 [95% CI +0.050, +0.200], 3/3 seeds in the paper's direction' (+ reason)."""
         if self.effect is None:
             return f"{self.claim}: {self.status.upper()} — {self.reason}"
         name = "log ratio" if self.scale == "log ratio" else "effect"
         text = f"{self.claim}: {self.status.upper()} — {name} {self.effect:+.4g} [95% CI {self.low:+.4g}, {self.high:+.4g}]"
         if self.scale == "log ratio":
             text += f" (ratio x{math.exp(self.effect):.3g} [{math.exp(self.low):.3g}, {math.exp(self.high):.3g}])"
-        text += f", {self.n_agree}/{self.n_pairs} {self.unit} agree with the paper"
+        text += f", {self.n_agree}/{self.n_pairs} {self.unit} in the paper's direction"
         if self.reason:
             text += f"; {self.reason}"
         return text
