@@ -14,12 +14,11 @@ fixed. Per layer the tool reports, over sampled real tokens t:
 - mean_abs_offdiag = mean_t of the mean |J_ij(t)| over i != j (exact method only; empty with probes).
 
 How: a forward pre-hook on every decoder layer captures the layer's actual call (for our models
-``layer(x, rope, mask)``, for HF Llama/Qwen/Mistral ``layer(hidden_states, attention_mask=..., position_embeddings=...)``)
-and calls the layer again, in float32, with x as a leaf of autograd. A vector-Jacobian product c^T J(t) is the
-gradient of <y[t], c> with respect to x[t]; every other position of x is an input too, but its gradient is simply
-not read, which is what "held fixed" means. Each sampled token is copied once per vector c, as rows of one batch,
-and the sequence is cut after the token (the blocks are causal), so one forward pass of the backbone gives every
-layer's products for many tokens at once.
+``layer(x, rope, mask)``, for HF Llama/Qwen/Mistral ``layer(hidden_states, attention_mask=...,
+position_embeddings=...)``) and calls the layer again, in float32, with x as a leaf of autograd. A row c^T J(t) is
+the gradient of <y[t], c> with respect to x[t]; the other positions of x are inputs too, but their gradients are not
+read, which is what "held fixed" means. The window is cut after the token (the blocks are causal), and all the
+vectors c of a token share one forward pass of the block and run as batched backward passes (is_grads_batched).
 
 - exact (default when d <= 512, or --probes 0): c runs over the d basis vectors, so the rows are J itself.
 - probes (default when d > 512, or --probes K): K Gaussian vectors v per token and layer. ||(J - I)^T v||^2 is an
@@ -63,6 +62,7 @@ DEFAULT_PROBES = 16
 PROBE_HEATMAP_SIZE = 64  # with probes, the heatmap shows the leading block of J of one token, computed exactly
 JACOBIAN_DTYPE = torch.float32  # the re-called block runs in float32 whatever the model's dtype
 CSV_COLUMNS = ("layer", "rel_identity_dev", "mean_diag", "mean_abs_offdiag")
+DEFAULT_MODEL = "Qwen/Qwen3-8B"
 
 
 # ----------------------------------------------------------------------------- which tokens
@@ -242,7 +242,7 @@ class JacobianStatistics:
                 trace, trace_se = self._probe_mean(self.trace[layer], self.trace_squares[layer])
                 rel = math.sqrt(max(squared, 0.0) / d)
                 row = dict(layer=layer, rel_identity_dev=rel, mean_diag=trace / d, mean_abs_offdiag=None,
-                           rel_identity_dev_se=squared_se / d / (2 * rel) if rel > 0 else float("inf"),
+                           rel_identity_dev_se=squared_se / d / (2 * rel) if rel > 0 else None,  # delta method
                            mean_diag_se=trace_se / d, identity_dev_sq_per_d=squared / d,
                            identity_dev_sq_per_d_se=squared_se / d)
             result.append(row)
@@ -405,8 +405,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model_io.add_model_arguments(parser)
     parser.add_argument("--model_paths", nargs="+", default=None,
-                        help="several hub ids or local folders, one curve each in jacobian.png (instead of --model_path)")
-    parser.add_argument("--labels", nargs="+", default=None, help="legend labels for --model_paths (default: folder names)")
+                        help="several hub ids or local folders, one curve each in jacobian.png "
+                             "(instead of --model_path)")
+    parser.add_argument("--labels", nargs="+", default=None,
+                        help="legend labels for --model_paths (default: folder names)")
     model_io.add_text_arguments(parser, default_num_tokens=128)
     model_io.add_threads_argument(parser)
     parser.add_argument("--tokens_per_window", type=int, default=8, help="token positions sampled per text window")
@@ -424,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
             action.help = ("Jacobian rows or probes per batched backward pass; lower it if memory runs out "
                            "(default: as many as keep one batched gradient under 2^25 floats)")
         elif action.dest == "model_path":
-            action.help = "hub id or local folder (default: Qwen/Qwen3-8B)"
+            action.help = f"hub id or local folder (default: {DEFAULT_MODEL})"
     return parser
 
 
@@ -440,7 +442,7 @@ def parse_and_check(argv: list[str] | None):
         parser.error(f"--probes: must be 0 (exact) or at least 2 (a standard error needs 2), got {args.probes}")
     if args.model_paths and args.model_path:
         parser.error("--model_paths: give either --model_path or --model_paths, not both")
-    paths = args.model_paths or [args.model_path or "Qwen/Qwen3-8B"]
+    paths = args.model_paths or [args.model_path or DEFAULT_MODEL]
     if args.labels and not args.model_paths:
         parser.error("--labels: only with --model_paths")
     labels = args.labels or [Path(path.rstrip("/")).name for path in paths]

@@ -193,7 +193,8 @@ class Verdict:
         if self.effect is None:
             return f"{self.claim}: {self.status.upper()} — {self.reason}"
         name = "log ratio" if self.scale == "log ratio" else "effect"
-        text = f"{self.claim}: {self.status.upper()} — {name} {self.effect:+.4g} [95% CI {self.low:+.4g}, {self.high:+.4g}]"
+        text = (f"{self.claim}: {self.status.upper()} — {name} {self.effect:+.4g} "
+                f"[95% CI {self.low:+.4g}, {self.high:+.4g}]")
         if self.scale == "log ratio":
             text += f" (ratio x{math.exp(self.effect):.3g} [{math.exp(self.low):.3g}, {math.exp(self.high):.3g}])"
         text += f", {self.n_agree}/{self.n_pairs} {self.unit} in the paper's direction"
