@@ -142,8 +142,8 @@ def resolve_context_length(model_or_config, requested: int | None, log=print, fa
     ``requested`` (--max_seq_len) when given, else the length the model was trained at (config
     ``train_max_length``, written by torchrun_main.py), else the tool's own ``fallback`` for hub models, which record
     no trained length (the angular and variance tools keep their 256-token windows), else
-    ``max_position_embeddings`` (what lm-eval uses by default). Prints one line saying which length is used and why, plus a warning when ``requested`` goes
-    past the trained length (positions the model never saw in training)."""
+    ``max_position_embeddings`` (what lm-eval uses by default). Prints one line saying which length is used and
+    why, plus a warning when ``requested`` goes past the trained length (positions the model never saw in training)."""
     config = getattr(model_or_config, "config", model_or_config)
     if isinstance(config, dict):  # a config.json read as is (read_local_config)
         config = SimpleNamespace(**config)

@@ -1,0 +1,502 @@
+"""Block Jacobians: how far each decoder block is from the identity map (the paper's mechanism for the curse of depth).
+
+    python utils/jacobian_analysis.py --model_path checkpoints/pre_130m --dataset embedded --num_tokens 256
+    python utils/jacobian_analysis.py --model_paths runs/pre runs/lns --labels Pre-LN LNS --num_tokens 128
+    python utils/jacobian_analysis.py --model_path Qwen/Qwen3-8B --max_seq_len 256 --probes 16     # large d
+
+For block l and token position t, J_l(t) = d x_{l+1}[t] / d x_l[t] is the d x d Jacobian of the residual stream
+leaving the block with respect to the stream entering it, at the same position, with every other position held
+fixed. Per layer the tool reports, over sampled real tokens t:
+
+- rel_identity_dev = sqrt(mean_t ||J(t) - I||_F^2) / sqrt(d): the root-mean-square over tokens of
+  ||J - I||_F / ||I||_F (0 for an identity block; ||A||_F / sqrt(d) for a block computing x + A x);
+- mean_diag = mean_t trace(J(t)) / d;
+- mean_abs_offdiag = mean_t of the mean |J_ij(t)| over i != j (exact method only; empty with probes).
+
+How: a forward pre-hook on every decoder layer captures the layer's actual call (for our models
+``layer(x, rope, mask)``, for HF Llama/Qwen/Mistral ``layer(hidden_states, attention_mask=...,
+position_embeddings=...)``) and calls the layer again, in float32, with x as a leaf of autograd. A row c^T J(t) is
+the gradient of <y[t], c> with respect to x[t]; the other positions of x are inputs too, but their gradients are not
+read, which is what "held fixed" means. The window is cut after the token (the blocks are causal), and all the
+vectors c of a token share one forward pass of the block and run as batched backward passes (is_grads_batched).
+
+- exact (default when d <= 512, or --probes 0): c runs over the d basis vectors, so the rows are J itself.
+- probes (default when d > 512, or --probes K): K Gaussian vectors v per token and layer. ||(J - I)^T v||^2 is an
+  unbiased estimate of ||J - I||_F^2 and v^T J v of trace(J) (Hutchinson); the standard errors over the probes are
+  in the JSON. mean_abs_offdiag has no such estimate and is left empty.
+
+Tokens: windows of --max_seq_len tokens are read from the text (default length: the context the checkpoint was
+trained at), and --tokens_per_window positions are sampled uniformly from each window until --num_tokens tokens are
+taken; when the text runs out first, more positions of the windows already read are added, so a text shorter than
+one window has every real token used.
+
+Outputs in --output_dir: jacobian.csv (layer,rel_identity_dev,mean_diag,mean_abs_offdiag; one row per 0-based
+layer), jacobian_heatmap.png (J - I of the first and the last layer), jacobian.json (values, standard errors and
+metadata of every model) and jacobian.png (rel_identity_dev against depth, every model in one figure). With several
+models the per-model CSV and heatmap go to --output_dir/<label>/.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import functional_call
+from tqdm.auto import tqdm
+
+from utils import model_io
+
+EXACT_MAX_HIDDEN = 512  # above this hidden size the default is the probe estimate
+DEFAULT_PROBES = 16
+PROBE_HEATMAP_SIZE = 64  # with probes, the heatmap shows the leading block of J of one token, computed exactly
+JACOBIAN_DTYPE = torch.float32  # the re-called block runs in float32 whatever the model's dtype
+CSV_COLUMNS = ("layer", "rel_identity_dev", "mean_diag", "mean_abs_offdiag")
+DEFAULT_MODEL = "Qwen/Qwen3-8B"
+
+
+# ----------------------------------------------------------------------------- which tokens
+@dataclass
+class TokenSample:
+    """One window of token ids and the sorted positions in it whose Jacobians are measured."""
+    window: list[int]
+    positions: list[int]
+
+
+def sample_tokens(windows: Iterable[list[int]], num_tokens: int, tokens_per_window: int = 8,
+                  seed: int = 0) -> list[TokenSample]:
+    """Take up to ``tokens_per_window`` random positions from each window until ``num_tokens`` are taken. When the
+    windows run out first, add further positions of the windows already read (round robin), so that a short text
+    has all its tokens used."""
+    rng = np.random.default_rng(seed)
+    orders: list[np.ndarray] = []
+    taken: list[int] = []
+    samples_windows: list[list[int]] = []
+    total = 0
+    for window in windows:
+        if not window:
+            continue
+        order = rng.permutation(len(window))
+        count = min(len(window), tokens_per_window, num_tokens - total)
+        samples_windows.append(list(window))
+        orders.append(order)
+        taken.append(count)
+        total += count
+        if total >= num_tokens:
+            break
+    while total < num_tokens and any(count < len(order) for count, order in zip(taken, orders)):
+        for index, order in enumerate(orders):
+            if total < num_tokens and taken[index] < len(order):
+                taken[index] += 1
+                total += 1
+    return [TokenSample(window, sorted(int(p) for p in order[:count]))
+            for window, order, count in zip(samples_windows, orders, taken)]
+
+
+# ----------------------------------------------------------------------------- vector-Jacobian products
+class _StopForward(Exception):
+    """Raised by the last hook that is needed, so that the rest of the backbone is not run."""
+
+
+def _to_jacobian_dtype(value):
+    if isinstance(value, torch.Tensor):
+        return value.to(JACOBIAN_DTYPE) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_jacobian_dtype(item) for item in value)
+    if isinstance(value, dict):
+        return {key: _to_jacobian_dtype(item) for key, item in value.items()}
+    return value
+
+
+class BlockVectorJacobian:
+    """Computes products c^T J_l(t) for every decoder layer l at one token position t, for many vectors c.
+
+    ``run(window, position, cotangents, consume)`` feeds the window cut after ``position`` (the blocks are causal,
+    so nothing after it matters). For every layer, ``cotangents(layer)`` gives the vectors c as ``[m, d]`` and
+    ``consume(layer, c, g)`` receives ``g = c^T J`` (``[m, d]``, float32). The m products share one forward pass of
+    the block and run as batched backward passes (``is_grads_batched``) of at most ``vectors_per_pass`` vectors;
+    by default as many as keep one batched gradient under ``element_budget`` floats.
+    """
+
+    def __init__(self, model: nn.Module, vectors_per_pass: int | None = None, element_budget: int = 2 ** 25):
+        stream = model_io.ResidualStream(model)  # the same backbone, layer list and call as the other analyses
+        self.backbone, self.layers, self.backbone_kwargs = stream.backbone, stream.layers, stream.backbone_kwargs
+        self.hidden_size = model.get_input_embeddings().embedding_dim
+        self.device = next(model.parameters()).device
+        self.vectors_per_pass, self.element_budget = vectors_per_pass, element_budget
+        self._inside_hook = False
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def run(self, window: Sequence[int], position: int, cotangents: Callable[[int], torch.Tensor],
+            consume: Callable[[int, torch.Tensor, torch.Tensor], None], layers: Sequence[int] | None = None) -> None:
+        wanted = set(range(self.num_layers) if layers is None else layers)
+        input_ids = torch.as_tensor([list(window[:position + 1])], device=self.device)
+
+        def hook_for(index: int):
+            def pre_hook(module, args, kwargs):
+                if self._inside_hook or index not in wanted:
+                    return None
+                vectors = cotangents(index).to(self.device, JACOBIAN_DTYPE)
+                consume(index, vectors, self._vector_jacobian(module, args, kwargs, position, vectors))
+                if index == max(wanted):
+                    raise _StopForward
+                return None
+            return pre_hook
+
+        handles = [layer.register_forward_pre_hook(hook_for(index), with_kwargs=True)
+                   for index, layer in enumerate(self.layers)]
+        try:
+            with torch.no_grad():
+                self.backbone(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **self.backbone_kwargs)
+        except _StopForward:
+            pass
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _vector_jacobian(self, module, args, kwargs, position: int, vectors: torch.Tensor) -> torch.Tensor:
+        """Call the block again in float32 on the captured inputs, with x as a leaf, and return c^T J at position."""
+        hidden = args[0] if args else kwargs["hidden_states"]
+        x = hidden.detach().to(JACOBIAN_DTYPE).requires_grad_(True)
+        kwargs = _to_jacobian_dtype(kwargs)
+        if args:
+            args = (x, *_to_jacobian_dtype(args[1:]))
+        else:
+            kwargs["hidden_states"] = x
+        weights = {name: tensor.detach().to(JACOBIAN_DTYPE) if tensor.is_floating_point() else tensor
+                   for name, tensor in [*module.named_parameters(), *module.named_buffers()]}
+        at_once = self.vectors_per_pass or max(1, self.element_budget // x.numel())
+        products = []
+        self._inside_hook = True
+        try:
+            with torch.enable_grad():
+                output = functional_call(module, weights, args, kwargs)
+                output = output[0] if isinstance(output, (tuple, list)) else output  # transformers < 5 returns tuples
+                for start in range(0, len(vectors), at_once):
+                    chunk = vectors[start:start + at_once]
+                    # Full-size output gradients, zero except at the position: no indexing op in the graph, whose
+                    # backward would be looped over the vectors instead of batched.
+                    output_gradients = torch.zeros(len(chunk), *output.shape, dtype=JACOBIAN_DTYPE, device=x.device)
+                    output_gradients[:, 0, position] = chunk
+                    (gradient,) = torch.autograd.grad(output, x, grad_outputs=output_gradients, is_grads_batched=True,
+                                                      retain_graph=start + at_once < len(vectors))
+                    products.append(gradient[:, 0, position])
+        finally:
+            self._inside_hook = False
+        return torch.cat(products)
+
+
+# ----------------------------------------------------------------------------- statistics
+class JacobianStatistics:
+    """Per layer and sampled token, sums over the vectors c of ||g - c||^2, <g, c> and sum|g| - |<g, c>| (g = c^T J),
+    and of their squares for the probe standard errors. Exact vectors (c = e_i) give ||J - I||_F^2, trace J and the
+    sum of |off-diagonal| entries; Gaussian probes give unbiased estimates of the first two."""
+
+    def __init__(self, num_layers: int, num_tokens: int, hidden_size: int, probes: int,
+                 heatmap_layers: Sequence[int] = ()):
+        self.hidden_size, self.probes = hidden_size, probes
+        shape = (num_layers, num_tokens)
+        self.deviation = torch.zeros(shape, dtype=torch.float64)
+        self.deviation_squares = torch.zeros(shape, dtype=torch.float64)
+        self.trace = torch.zeros(shape, dtype=torch.float64)
+        self.trace_squares = torch.zeros(shape, dtype=torch.float64)
+        self.off_diagonal = torch.zeros(shape, dtype=torch.float64)
+        self.jacobian_sums = {layer: torch.zeros(hidden_size, hidden_size, dtype=torch.float64)
+                              for layer in heatmap_layers} if probes == 0 else {}
+
+    def add(self, layer: int, token: int, vectors: torch.Tensor, products: torch.Tensor) -> None:
+        """``vectors`` and ``products`` are ``[m, d]``; in the exact method, vectors is the identity, products J."""
+        deviation = (products - vectors).square().sum(dim=1).double()
+        projection = (products * vectors).sum(dim=1).double()
+        off_diagonal = products.abs().sum(dim=1).double() - projection.abs()
+        for target, values in ((self.deviation, deviation), (self.deviation_squares, deviation.square()),
+                               (self.trace, projection), (self.trace_squares, projection.square()),
+                               (self.off_diagonal, off_diagonal)):
+            target[layer, token] = values.sum().item()
+        if layer in self.jacobian_sums:
+            self.jacobian_sums[layer] += products.double().cpu()
+
+    def rows(self) -> list[dict]:
+        d = self.hidden_size
+        result = []
+        for layer in range(self.deviation.shape[0]):
+            if self.probes == 0:
+                row = dict(layer=layer, rel_identity_dev=math.sqrt(self.deviation[layer].mean().item() / d),
+                           mean_diag=self.trace[layer].mean().item() / d,
+                           mean_abs_offdiag=self.off_diagonal[layer].mean().item() / (d * (d - 1)) if d > 1 else 0.0)
+            else:
+                squared, squared_se = self._probe_mean(self.deviation[layer], self.deviation_squares[layer])
+                trace, trace_se = self._probe_mean(self.trace[layer], self.trace_squares[layer])
+                rel = math.sqrt(max(squared, 0.0) / d)
+                row = dict(layer=layer, rel_identity_dev=rel, mean_diag=trace / d, mean_abs_offdiag=None,
+                           rel_identity_dev_se=squared_se / d / (2 * rel) if rel > 0 else None,  # delta method
+                           mean_diag_se=trace_se / d, identity_dev_sq_per_d=squared / d,
+                           identity_dev_sq_per_d_se=squared_se / d)
+            result.append(row)
+        return result
+
+    def _probe_mean(self, sums: torch.Tensor, square_sums: torch.Tensor) -> tuple[float, float]:
+        """Mean over tokens of the per-token probe mean, and its standard error from the probes' spread."""
+        k = self.probes
+        means = sums / k
+        variances = ((square_sums - k * means.square()) / (k - 1)).clamp_min(0)
+        return means.mean().item(), math.sqrt(variances.sum().item() / k) / means.numel()
+
+    def mean_jacobians(self, num_tokens: int) -> dict[int, np.ndarray]:
+        return {layer: (total / num_tokens).numpy() for layer, total in self.jacobian_sums.items()}
+
+
+# ----------------------------------------------------------------------------- measurement
+@dataclass
+class JacobianMeasurement:
+    rows: list[dict]
+    num_tokens: int
+    hidden_size: int
+    method: str
+    probes: int
+    heatmaps: dict[int, np.ndarray] = field(default_factory=dict)
+    heatmap_note: str = ""
+
+
+def resolve_probes(probes: int | None, hidden_size: int) -> int:
+    """0 = exact; None = exact up to EXACT_MAX_HIDDEN, else DEFAULT_PROBES."""
+    if probes is None:
+        return 0 if hidden_size <= EXACT_MAX_HIDDEN else DEFAULT_PROBES
+    if probes == 1 or probes < 0:
+        raise ValueError(f"--probes: must be 0 (exact) or at least 2 (a standard error needs 2), got {probes}")
+    return probes
+
+
+def measure_jacobians(model: nn.Module, samples: Sequence[TokenSample], probes: int | None = None, seed: int = 0,
+                      vectors_per_pass: int | None = None, heatmap: bool = True,
+                      desc: str = "jacobian") -> JacobianMeasurement:
+    """Block-Jacobian statistics of every decoder layer over the sampled tokens (see the module docstring).
+
+    ``probes``: None (exact when d <= 512, else 16 probes), 0 (exact) or K >= 2 (Gaussian probes).
+    ``vectors_per_pass`` bounds the vectors of one batched backward pass, hence memory (default: automatic)."""
+    engine = BlockVectorJacobian(model, vectors_per_pass)
+    d = engine.hidden_size
+    probes = resolve_probes(probes, d)
+    tokens = [(sample.window, position) for sample in samples for position in sample.positions]
+    if not tokens:
+        raise ValueError("no tokens were analysed")
+    heatmap_layers = sorted({0, engine.num_layers - 1}) if heatmap else []
+    statistics = JacobianStatistics(engine.num_layers, len(tokens), d, probes, heatmap_layers)
+    generator = torch.Generator().manual_seed(seed)
+    basis = torch.eye(d, dtype=JACOBIAN_DTYPE)
+
+    def cotangents(_layer: int) -> torch.Tensor:
+        return basis if probes == 0 else torch.randn(probes, d, generator=generator, dtype=JACOBIAN_DTYPE)
+
+    for token, (window, position) in enumerate(tqdm(tokens, unit="tok", desc=desc, dynamic_ncols=True)):
+        engine.run(window, position, cotangents,
+                   lambda layer, vectors, products: statistics.add(layer, token, vectors, products))
+
+    measurement = JacobianMeasurement(statistics.rows(), len(tokens), d, "exact" if probes == 0 else "probes", probes)
+    if heatmap and probes == 0:
+        measurement.heatmaps = statistics.mean_jacobians(len(tokens))
+        measurement.heatmap_note = f"token mean of J over {len(tokens)} tokens"
+    elif heatmap:
+        measurement.heatmaps, measurement.heatmap_note = _leading_block(engine, *tokens[0], heatmap_layers)
+    return measurement
+
+
+def _leading_block(engine: BlockVectorJacobian, window: Sequence[int], position: int, layers: list[int]):
+    """The exact leading k x k block of J at one token, for the heatmap when d is too large for all of J."""
+    size = min(engine.hidden_size, PROBE_HEATMAP_SIZE)
+    blocks: dict[int, np.ndarray] = {}
+
+    def consume(layer, _vectors, products):
+        blocks[layer] = products[:, :size].double().cpu().numpy()
+
+    engine.run(window, position, lambda _layer: torch.eye(size, engine.hidden_size), consume, layers)
+    return blocks, f"leading {size}x{size} block of J at one token (position {position})"
+
+
+def jacobian_summary(model: nn.Module, windows: Iterable[list[int]], num_tokens: int = 128,
+                     tokens_per_window: int = 8, probes: int | None = None, seed: int = 0,
+                     desc: str = "jacobian") -> list[dict]:
+    """In-process entry point (e.g. for the study): windows of token ids (as from ``model_io.token_windows``) in,
+    one dict per layer out: ``layer, rel_identity_dev, mean_diag, mean_abs_offdiag`` (+ ``*_se`` with probes)."""
+    samples = sample_tokens(windows, num_tokens, tokens_per_window, seed)
+    return measure_jacobians(model, samples, probes, seed, heatmap=False, desc=desc).rows
+
+
+# ----------------------------------------------------------------------------- outputs
+def _format(value) -> str:
+    return "" if value is None else f"{value:.8g}"
+
+
+def write_csv(rows: list[dict], path: Path) -> Path:
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(CSV_COLUMNS)
+        for row in rows:
+            writer.writerow([row["layer"]] + [_format(row[column]) for column in CSV_COLUMNS[1:]])
+    return path
+
+
+def plot_depth(results: list[dict], path: Path, title: str) -> Path:
+    """rel_identity_dev against layer index, one line per model (error bars: +-1 standard error with probes)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for result in results:
+        layers = [row["layer"] for row in result["layers"]]
+        values = [row["rel_identity_dev"] for row in result["layers"]]
+        errors = [row.get("rel_identity_dev_se") for row in result["layers"]]
+        ax.errorbar(layers, values, yerr=errors if None not in errors else None, marker="o", markersize=3,
+                    capsize=2, label=f"{result['label']} ({result['method']})")
+    ax.set_ylim(bottom=0)
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_xlabel(r"layer $\ell$ (0-based)")
+    ax.set_ylabel(r"$\|J_\ell - I\|_F / \sqrt{d}$ (RMS over tokens)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=200)
+    plt.close(fig)
+    return path
+
+
+def plot_heatmaps(heatmaps: dict[int, np.ndarray], path: Path, title: str) -> Path:
+    """J - I of the first and the last layer side by side, on one symmetric colour scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = sorted(heatmaps)
+    deviations = {layer: heatmaps[layer] - np.eye(*heatmaps[layer].shape) for layer in layers}
+    limit = max(float(np.quantile(np.abs(matrix), 0.99)) for matrix in deviations.values()) or 1.0
+    fig, axes = plt.subplots(1, len(layers), figsize=(5 * len(layers), 4.4), squeeze=False)
+    for ax, layer in zip(axes[0], layers):
+        image = ax.imshow(deviations[layer], cmap="RdBu_r", vmin=-limit, vmax=limit, interpolation="nearest")
+        ax.set_title(f"layer {layer}: J - I", fontsize=10)
+        ax.set_xlabel("input channel j")
+        ax.set_ylabel("output channel i")
+    fig.colorbar(image, ax=axes[0].tolist(), fraction=0.046, pad=0.04, label="J_ij - delta_ij (clipped at 99th pct)")
+    fig.suptitle(title, fontsize=10)
+    fig.savefig(path, dpi=150, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------- command line
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model_io.add_model_arguments(parser)
+    parser.add_argument("--model_paths", nargs="+", default=None,
+                        help="several hub ids or local folders, one curve each in jacobian.png "
+                             "(instead of --model_path)")
+    parser.add_argument("--labels", nargs="+", default=None,
+                        help="legend labels for --model_paths (default: folder names)")
+    model_io.add_text_arguments(parser, default_num_tokens=128)
+    model_io.add_threads_argument(parser)
+    parser.add_argument("--tokens_per_window", type=int, default=8, help="token positions sampled per text window")
+    parser.add_argument("--probes", type=int, default=None,
+                        help=f"0: exact Jacobians; K >= 2: K random probes per token (unbiased estimate with standard "
+                             f"error); default: exact when the hidden size is at most {EXACT_MAX_HIDDEN}, else "
+                             f"{DEFAULT_PROBES} probes")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the token sampling and the probes")
+    parser.add_argument("--output_dir", default="runs/analysis/jacobian", help="where the CSV, JSON and PNGs go")
+    parser.set_defaults(model_path=None, max_seq_len=None, batch_size=None)
+    for action in parser._actions:  # the shared flags' help, with this tool's meaning
+        if action.dest == "max_seq_len":
+            action.help = "tokens per window (default: the context length the checkpoint was trained at)"
+        elif action.dest == "batch_size":
+            action.help = ("Jacobian rows or probes per batched backward pass; lower it if memory runs out "
+                           "(default: as many as keep one batched gradient under 2^25 floats)")
+        elif action.dest == "model_path":
+            action.help = f"hub id or local folder (default: {DEFAULT_MODEL})"
+    return parser
+
+
+def parse_and_check(argv: list[str] | None):
+    """Parse the flags; every bad value is a one-line error (exit 2) before any model is loaded."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    model_io.check_positive(parser, args, "num_tokens", "tokens_per_window")
+    for name in ("max_seq_len", "batch_size"):  # optional: None means automatic
+        if getattr(args, name) is not None:
+            model_io.check_positive(parser, args, name)
+    if args.probes is not None and (args.probes < 0 or args.probes == 1):
+        parser.error(f"--probes: must be 0 (exact) or at least 2 (a standard error needs 2), got {args.probes}")
+    if args.model_paths and args.model_path:
+        parser.error("--model_paths: give either --model_path or --model_paths, not both")
+    paths = args.model_paths or [args.model_path or DEFAULT_MODEL]
+    if args.labels and not args.model_paths:
+        parser.error("--labels: only with --model_paths")
+    labels = args.labels or [Path(path.rstrip("/")).name for path in paths]
+    if len(labels) != len(paths):
+        parser.error(f"--labels: got {len(labels)} labels for {len(paths)} models")
+    if len(set(labels)) != len(labels) or any("/" in label or label in ("", ".", "..") for label in labels):
+        parser.error(f"--labels: labels name output folders, so they must be distinct and contain no '/': {labels}")
+    model_io.apply_threads(parser, args)
+    device, dtype, source = model_io.resolve_run_settings(parser, args)
+    return parser, args, list(zip(labels, paths)), device, dtype, source
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser, args, models, device, dtype, source = parse_and_check(argv)
+    output_dir = Path(args.output_dir)
+    source_name = "C4 en validation" if source[0] == "c4" else str(source[1])
+    results = []
+    for label, model_path in models:
+        model, tokenizer = model_io.load_model_and_tokenizer(model_path, dtype, device, args.tokenizer)
+        max_seq_len = model_io.resolve_context_length(model, args.max_seq_len)
+        try:
+            windows = model_io.token_windows(tokenizer, model_io.iter_documents(source), max_seq_len, sys.maxsize)
+            samples = sample_tokens(windows, args.num_tokens, args.tokens_per_window, args.seed)
+            measurement = measure_jacobians(model, samples, args.probes, args.seed, args.batch_size, desc=label)
+        except ValueError as err:  # an empty text, or a window too short for the tokenizer's prefix
+            parser.error(f"--text_file/--dataset: {err}")
+        if measurement.num_tokens < args.num_tokens:
+            print(f"[jacobian] {label}: the text has only {measurement.num_tokens} tokens (asked for "
+                  f"{args.num_tokens})", file=sys.stderr)
+        folder = output_dir if len(models) == 1 else output_dir / label
+        folder.mkdir(parents=True, exist_ok=True)
+        written = [write_csv(measurement.rows, folder / "jacobian.csv")]
+        written.append(plot_heatmaps(measurement.heatmaps, folder / "jacobian_heatmap.png",
+                                     f"{label}: {measurement.heatmap_note}"))
+        results.append(dict(label=label, model_path=model_path, num_tokens=measurement.num_tokens,
+                            hidden_size=measurement.hidden_size, max_seq_len=max_seq_len, method=measurement.method,
+                            probes=measurement.probes, heatmap=measurement.heatmap_note, layers=measurement.rows))
+        for path in written:
+            print(f"wrote {path}")
+        del model
+
+    metadata = dict(text=source_name, tokens_per_window=args.tokens_per_window, seed=args.seed,
+                    dtype=str(dtype).replace("torch.", ""), jacobian_dtype="float32",
+                    definition="J_l(t) = d x_{l+1}[t] / d x_l[t] (same position, other positions fixed); "
+                               "rel_identity_dev = sqrt(mean_t ||J-I||_F^2 / d); mean_diag = mean_t tr(J)/d; "
+                               "mean_abs_offdiag = mean_t mean_{i!=j} |J_ij| (exact only). With probes: "
+                               "||(J-I)^T v||^2 and v^T J v over Gaussian v, standard errors over the probes.")
+    json_path = output_dir / "jacobian.json"
+    json_path.write_text(json.dumps(dict(metadata, models=results), indent=1))
+    title = f"{', '.join(label for label, _ in models)} on {Path(source_name).name}"
+    for path in (json_path, plot_depth(results, output_dir / "jacobian.png", title)):
+        print(f"wrote {path}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
