@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> np.ndarray:
     model_io.check_positive(parser, args, "num_tokens", "max_seq_len", "batch_size")
     model_io.apply_threads(parser, args)
     device, dtype, source = model_io.resolve_run_settings(parser, args)
+    model_io.check_model_path(parser, args.model_path)
 
     model, tokenizer = model_io.load_model_and_tokenizer(args.model_path, dtype, device, args.tokenizer)
     batches = model_io.token_batches(tokenizer, source, args.max_seq_len, args.num_tokens, args.batch_size)
