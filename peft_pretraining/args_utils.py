@@ -218,7 +218,8 @@ def check_args(args, parser, world_size: int):
             with open(os.path.join(args.continue_from, "config.json")) as f:
                 saved_config = json.load(f)
         except (OSError, ValueError) as err:
-            parser.error(f"--continue_from {args.continue_from}: corrupt config.json ({err})")
+            parser.error(f"--continue_from: {os.path.join(args.continue_from, 'config.json')} is not valid JSON "
+                         f"({err})")
         check_saved_config(parser, os.path.join(args.continue_from, "config.json"), saved_config)
     _resolve_norm(args, parser, saved_config)
 
