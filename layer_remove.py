@@ -331,7 +331,9 @@ def run_sweep(parser, args, device, dtype) -> list[dict]:
                 tasks, task_dir, {lm_eval_tasks.HELDOUT_PERPLEXITY_TASK: heldout_options})
         except ValueError as err:
             parser.error(f"--task_text_file: {err}")
-        manager = lm_eval_tasks.task_manager(include_paths)
+        # Indexing lm-eval's own task tree takes seconds: only when a task is not one of ours.
+        manager = lm_eval_tasks.task_manager(
+            include_paths, include_defaults=any(task not in lm_eval_tasks.LOCAL_TASK_BUILDERS for task in tasks))
         unknown = [task for task in tasks if task not in manager.all_tasks]
         if unknown:
             parser.error(f"--tasks: unknown lm-eval task(s) {', '.join(unknown)}")
@@ -339,7 +341,7 @@ def run_sweep(parser, args, device, dtype) -> list[dict]:
             try:
                 check_metric_reported(tasks, manager, args.metric)
             except ValueError as err:
-                parser.error(str(err))
+                model_io.bad_input(parser, str(err))
         model, tokenizer = model_io.load_model_and_tokenizer(args.model_path, dtype, device, args.tokenizer)
         try:
             rows = sweep(model, tokenizer, tasks, manager, metric=args.metric, batch_size=args.eval_batch_size,

@@ -129,7 +129,7 @@ def tree_hashes(folder: Path) -> dict:
 
 def one_error_line(text: str) -> str:
     lines = [line for line in text.splitlines() if "error:" in line]
-    assert len(lines) == 1 and "Traceback" not in text, text[-3000:]
+    assert len(lines) == 1 and "Traceback" not in text and "usage:" not in text, text[-3000:]
     return lines[0]
 
 

@@ -57,7 +57,7 @@ from peft_pretraining.training_utils import (  # noqa: E402
     plot_loss_curve,
     seed_everything,
 )
-from utils.model_io import load_model_and_tokenizer, resolve_device  # noqa: E402
+from utils.model_io import bad_input, load_model_and_tokenizer, resolve_device  # noqa: E402
 
 # The paper's SFT evaluation (lm-eval task names); "siqa" is lm-eval's social_iqa.
 PAPER_TASKS = ("boolq", "piqa", "social_iqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
@@ -246,18 +246,18 @@ def load_training_data(args, parser):
     try:
         return load_instruction_dataset(args.dataset, args.dataset_split, args.max_train_samples)
     except ValueError as err:
-        parser.error(str(err))
+        bad_input(parser, str(err))
     except Exception as err:  # datasets' own errors for a file it cannot parse
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        parser.error(f"--dataset {args.dataset}: cannot be read as instruction records "
-                     f"({err.__class__.__name__}: {first_line[:160]})")
+        bad_input(parser, f"--dataset {args.dataset}: cannot be read as instruction records "
+                          f"({err.__class__.__name__}: {first_line[:160]})")
 
 
 def tokenize_training_data(dataset, tokenizer, args, parser):
     tokenized = tokenize_dataset(dataset, tokenizer, args.cutoff_len)
     if len(tokenized) == 0:
-        parser.error(f"--dataset {args.dataset}: no example has a response token within --cutoff_len "
-                     f"{args.cutoff_len}")
+        bad_input(parser, f"--dataset {args.dataset}: no example has a response token within --cutoff_len "
+                          f"{args.cutoff_len}")
     return tokenized
 
 

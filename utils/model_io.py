@@ -85,6 +85,11 @@ def read_local_config(model_path: str | os.PathLike) -> dict | None:
     return config
 
 
+def bad_input(parser, message: str):
+    """Exit 2 with one line (no usage block): `<tool>: error: <message>`."""
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
 def check_model_path(parser, model_path: str, flag: str = "--model_path") -> None:
     """Before any work: a local folder with a readable config.json, or a model the hub (or its cache) knows.
     Otherwise a one-line error naming `flag` (exit 2)."""
@@ -93,9 +98,9 @@ def check_model_path(parser, model_path: str, flag: str = "--model_path") -> Non
         try:
             config = read_local_config(path) if path.is_dir() else None
         except ValueError as err:
-            parser.error(f"{flag}: {err}")
+            bad_input(parser, f"{flag}: {err}")
         if config is None:
-            parser.error(f"{flag}: {model_path} is not a model folder (no config.json)")
+            bad_input(parser, f"{flag}: {model_path} is not a model folder (no config.json)")
         return
     from transformers import AutoConfig
 
@@ -103,7 +108,7 @@ def check_model_path(parser, model_path: str, flag: str = "--model_path") -> Non
         AutoConfig.from_pretrained(model_path)
     except (OSError, ValueError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        parser.error(f"{flag}: {model_path} is neither a local folder nor a model on the hub ({first_line})")
+        bad_input(parser, f"{flag}: {model_path} is neither a local folder nor a model on the hub ({first_line})")
 
 
 def is_our_checkpoint(model_path: str | os.PathLike) -> bool:
