@@ -456,3 +456,4 @@ def test_save_failure_on_rank_0_reaches_every_rank(tmp_path):
             proc.kill()
     assert [proc.returncode for proc in ranks] == [run_folder.EXIT_NO_SPACE] * 2, [err[-2000:] for _, err in outputs]
     assert "no space left on device" in one_error_line(outputs[0][1])
+    assert "Traceback" not in outputs[1][1]  # rank 1 learnt the outcome from rank 0, it did not crash into it
