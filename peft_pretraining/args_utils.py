@@ -218,8 +218,8 @@ def check_args(args, parser, world_size: int):
             with open(os.path.join(args.continue_from, "config.json")) as f:
                 saved_config = json.load(f)
         except (OSError, ValueError) as err:
-            parser.error(f"--continue_from: {os.path.join(args.continue_from, 'config.json')} is not valid JSON "
-                         f"({err})")
+            parser.error(f"--continue_from: {os.path.join(args.continue_from, 'config.json')} cannot be read as "
+                         f"JSON ({err})")
         check_saved_config(parser, os.path.join(args.continue_from, "config.json"), saved_config)
     _resolve_norm(args, parser, saved_config)
 
