@@ -76,22 +76,26 @@ def open_run_folder(args, rank: int, resume_step: int | None, on_exit: contextli
         dist.broadcast_object_list(run_dir, src=0)
     run_dir = run_dir[0]
     dist.barrier()  # every rank has read its checkpoint before rank 0 renames anything
-    busy = [None]
+    refusal = [None]
     if rank == 0:
         os.makedirs(run_dir, exist_ok=True)
         try:
             on_exit.enter_context(run_folder.locked(run_dir))
         except run_folder.RunFolderBusy as err:
-            busy[0] = str(err)
+            refusal[0] = str(err)
         else:
-            for note in run_folder.recover(run_dir):
-                log(note)
-            if resume_step is not None:
-                for note in run_folder.supersede_after(run_dir, resume_step):
+            # Decided under the lock: a run that ended while this one was starting is not taken over.
+            if resume_step is None and args_utils.holds_a_run(run_dir):
+                refusal[0] = f"--save_dir {run_dir} already holds a run; pass --continue_from {run_dir} to resume it"
+            else:
+                notes = run_folder.recover(run_dir)
+                if resume_step is not None:
+                    notes += run_folder.supersede_after(run_dir, resume_step)
+                for note in notes:
                     log(note)
-    dist.broadcast_object_list(busy, src=0)
-    if busy[0] is not None:
-        raise run_folder.RunFolderBusy(busy[0])
+    dist.broadcast_object_list(refusal, src=0)
+    if refusal[0] is not None:
+        raise BadInput(refusal[0])
     if args.continue_from is not None and not os.path.exists(args.continue_from):  # a .model_N.old just restored
         args.continue_from = training_utils.checkpoint_dir(run_dir, resume_step)
     args.save_dir = run_dir  # from here on, errors name the folder in use
@@ -188,7 +192,7 @@ def main(argv=None) -> int:
     try:
         with contextlib.ExitStack() as on_exit:  # releases the run folder's lock however the run ends
             return train(args, rank, world_size, device, on_exit)
-    except (BadInput, training_utils.CheckpointError, run_folder.RunFolderBusy) as err:
+    except (BadInput, training_utils.CheckpointError) as err:
         return error(err, 2)
     except run_folder.SaveFailed as err:  # raised on every rank, with the code rank 0 chose
         return error(err, err.exit_code)
