@@ -199,6 +199,25 @@ def test_second_process_on_a_locked_folder_exits_2_naming_the_holder(reference, 
     assert_matches_reference(run_dir, reference)
 
 
+def test_a_run_that_ends_while_another_starts_is_not_taken_over(reference, tmp_path, monkeypatch, capsys):
+    """Both fresh starts passed the command-line check on an empty folder; the first finished before the second
+    took the lock. The second must decide again under the lock, and leave the finished run alone."""
+    run_dir = tmp_path / "run"
+    real_locked = run_folder.locked
+
+    def first_run_finishes_meanwhile(folder):
+        for name in ("model_2", "metrics.jsonl", "results.json"):
+            copy = shutil.copytree if (reference / name).is_dir() else shutil.copy
+            copy(reference / name, run_dir / name)
+        return real_locked(folder)
+
+    monkeypatch.setattr(run_folder, "locked", first_run_finishes_meanwhile)
+    assert train("--save_dir", run_dir, "--num_training_steps", "2") == 2
+    assert "already holds a run" in one_error_line(capsys.readouterr().err)
+    assert (run_dir / "metrics.jsonl").read_bytes() == (reference / "metrics.jsonl").read_bytes()
+    assert tree_hashes(run_dir / "model_2") == tree_hashes(reference / "model_2")
+
+
 # --------------------------------------------------------------------------------------------------------------
 # 2. Branch, then resume the folder
 # --------------------------------------------------------------------------------------------------------------
