@@ -42,8 +42,7 @@ if os.environ.get("FAULT_STAGE"):
     from peft_pretraining import training_utils
 
     stage, fault_step = os.environ["FAULT_STAGE"], int(os.environ.get("FAULT_STEP", "0"))
-    real_save, real_rename, real_replace, real_torch_save = (training_utils.save_checkpoint, os.rename, os.replace,
-                                                             torch.save)
+    real_save, real_rename, real_replace = training_utils.save_checkpoint, os.rename, os.replace
 
     def stop():
         if stage.endswith("_pause"):
@@ -70,7 +69,7 @@ if os.environ.get("FAULT_STAGE"):
             torch.save = torch_save_stops
         elif stage.startswith("before_rename"):  # .model_N.tmp complete, not yet renamed
             os.rename, os.replace = renaming_stops(real_rename), renaming_stops(real_replace)
-        path = real_save(run_dir, step, **kwargs)
+        real_save(run_dir, step, **kwargs)
         stop()  # after_rename: model_N in place, the run not yet told
 
     training_utils.save_checkpoint = save_checkpoint
