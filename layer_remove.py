@@ -129,6 +129,25 @@ def evaluate(model, tokenizer, tasks: list[str], manager, batch_size: int, limit
     return scores
 
 
+def check_metric_reported(tasks: list[str], manager, metric: str) -> None:
+    """ValueError naming --metric unless every task (every subtask of a group) reports it; asked of the task
+    definitions, before anything is evaluated."""
+    from lm_eval.tasks import get_task_dict
+
+    def leaf_tasks(node):
+        if isinstance(node, dict):
+            for value in node.values():
+                yield from leaf_tasks(value)
+        elif hasattr(node, "higher_is_better"):
+            yield node
+
+    reported = [set(task.higher_is_better()) for task in leaf_tasks(get_task_dict(tasks, manager))]
+    common = set.intersection(*reported) if reported else set()
+    if metric.split(",")[0] not in common:
+        raise ValueError(f"--metric: {metric!r} is not reported by every task of {', '.join(tasks)} "
+                         f"(available: {', '.join(sorted(common)) or 'none in common'})")
+
+
 def pick_metric(scores: dict, task: str, metric: str | None) -> str:
     available = list(scores[task])
     if metric is None:
@@ -254,6 +273,7 @@ def _check_save_path(parser, save_path: str, model_path: str) -> Path:
 
 
 def _config_num_layers(parser, model_path: str) -> int:
+    model_io.check_model_path(parser, model_path)
     local = model_io.read_local_config(model_path)
     if local is not None:
         return int(local["num_hidden_layers"])
@@ -311,8 +331,6 @@ def run_sweep(parser, args, device, dtype) -> list[dict]:
         except ValueError as err:
             parser.error(str(err).replace("--layer_index", "--layers"))
 
-    model, tokenizer = model_io.load_model_and_tokenizer(args.model_path, dtype, device, args.tokenizer)
-    max_length = model_io.resolve_context_length(model, args.max_seq_len)
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
     with tempfile.TemporaryDirectory(prefix="lm_eval_tasks_") as task_dir:
         heldout_options = {"text_file": args.task_text_file, "max_documents": args.task_max_documents}
@@ -321,10 +339,19 @@ def run_sweep(parser, args, device, dtype) -> list[dict]:
                 tasks, task_dir, {lm_eval_tasks.HELDOUT_PERPLEXITY_TASK: heldout_options})
         except ValueError as err:
             parser.error(f"--task_text_file: {err}")
-        manager = lm_eval_tasks.task_manager(include_paths)
+        # Indexing lm-eval's own task tree takes seconds: only when a task is not one of ours.
+        manager = lm_eval_tasks.task_manager(
+            include_paths, include_defaults=any(task not in lm_eval_tasks.LOCAL_TASK_BUILDERS for task in tasks))
         unknown = [task for task in tasks if task not in manager.all_tasks]
         if unknown:
             parser.error(f"--tasks: unknown lm-eval task(s) {', '.join(unknown)}")
+        if args.metric is not None:
+            try:
+                check_metric_reported(tasks, manager, args.metric)
+            except ValueError as err:
+                model_io.bad_input(parser, str(err))
+        model, tokenizer = model_io.load_model_and_tokenizer(args.model_path, dtype, device, args.tokenizer)
+        max_length = model_io.resolve_context_length(model, args.max_seq_len)
         try:
             rows = sweep(model, tokenizer, tasks, manager, max_length, metric=args.metric,
                          batch_size=args.eval_batch_size, limit=limit, bootstrap_iters=args.bootstrap_iters,

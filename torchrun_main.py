@@ -5,7 +5,15 @@
 Single process:  python torchrun_main.py --model_config configs/llama_tiny.json --dataset embedded --batch_size 8 ...
 Several:         torchrun --nproc_per_node 4 torchrun_main.py ...   (nccl on GPU, gloo on CPU)
 
-Exit codes: 0 finished, 2 bad command line or checkpoint, 3 diverged (NaN/inf loss or grad norm; see results.json).
+Exit codes:
+    0  finished
+    1  an unexpected error (a traceback); on several ranks, every rank exits 1 when rank 0 fails to save
+    2  bad input: command line, checkpoint, a malformed file in the run folder, or a run folder in use by another process
+    3  diverged: NaN/inf loss, grad norm or weights, or --divergence_loss (see results.json); nothing non-finite is saved
+    4  no space left on device (one line naming the run folder; the partial checkpoint is removed, earlier ones kept)
+
+The run folder (peft_pretraining/run_folder.py) is locked by rank 0 for the whole run, recovered at start-up after a
+crash, and holds one history: resuming from step k moves the folder's later checkpoints into superseded/.
 """
 import contextlib
 import json
@@ -19,7 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from peft_pretraining import args_utils, training_utils
+from peft_pretraining import args_utils, run_folder, training_utils
 from peft_pretraining.dataloader import (
     build_train_stream,
     check_vocab_covers_tokenizer,
@@ -56,21 +64,50 @@ def init_distributed(args):
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def resolve_run_dir(args, rank: int) -> str:
-    """--save_dir, or runs/<run_name>-<UTC time> chosen by rank 0 and shared so every rank agrees."""
+def open_run_folder(args, rank: int, resume_step: int | None, on_exit: contextlib.ExitStack, log) -> str:
+    """--save_dir, or runs/<run_name>-<UTC time> chosen by rank 0 and shared so every rank agrees.
+
+    Rank 0 creates it, locks it until the run ends (a second process gets a one-line error naming the holder's PID),
+    cleans up after a crash, and, when resuming from step k, moves the folder's checkpoints past k into superseded/.
+    """
     run_dir = [args.save_dir]
     if run_dir[0] is None:
         run_dir[0] = os.path.join("runs", f"{args.run_name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
         dist.broadcast_object_list(run_dir, src=0)
+    run_dir = run_dir[0]
+    dist.barrier()  # every rank has read its checkpoint before rank 0 renames anything
+    refusal = [None]
     if rank == 0:
-        os.makedirs(run_dir[0], exist_ok=True)
-    dist.barrier()
-    return run_dir[0]
+        os.makedirs(run_dir, exist_ok=True)
+        try:
+            on_exit.enter_context(run_folder.locked(run_dir))
+        except run_folder.RunFolderBusy as err:
+            refusal[0] = str(err)
+        else:
+            # Decided under the lock: a run that ended while this one was starting is not taken over.
+            if resume_step is None and args_utils.holds_a_run(run_dir):
+                refusal[0] = f"--save_dir {run_dir} already holds a run; pass --continue_from {run_dir} to resume it"
+            else:
+                notes = run_folder.recover(run_dir)
+                if resume_step is not None:
+                    notes += run_folder.supersede_after(run_dir, resume_step)
+                for note in notes:
+                    log(note)
+    dist.broadcast_object_list(refusal, src=0)
+    if refusal[0] is not None:
+        raise BadInput(refusal[0])
+    if args.continue_from is not None and not os.path.exists(args.continue_from):  # a .model_N.old just restored
+        args.continue_from = training_utils.checkpoint_dir(run_dir, resume_step)
+    args.save_dir = run_dir  # from here on, errors name the folder in use
+    return run_dir
 
 
 def build_model_config(args, tokenizer, log):
-    config = build_config(args.model_config, norm_type=args.norm_type, post_num=args.post_num,
-                          init_method=args.init_method)
+    try:
+        config = build_config(args.model_config, norm_type=args.norm_type, post_num=args.post_num,
+                              init_method=args.init_method)
+    except ValueError as err:
+        raise BadInput(f"--model_config {args.model_config}: {err}") from err
     if len(tokenizer) > config.vocab_size:
         # e.g. t5-base has 32100 ids for the paper's 32000-row configs; round up so the matmul shapes stay friendly.
         resized = math.ceil(len(tokenizer) / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
@@ -148,18 +185,30 @@ def autocast_for(args, device):
 def main(argv=None) -> int:
     args = args_utils.parse_args(argv)
     rank, world_size, device = init_distributed(args)
-    try:
-        return train(args, rank, world_size, device)
-    except (BadInput, training_utils.CheckpointError) as err:
+
+    def error(message, exit_code: int) -> int:
         if rank == 0:
-            print(f"torchrun_main.py: error: {' '.join(str(err).split())}", file=sys.stderr)  # one line
-        return 2
+            print(f"torchrun_main.py: error: {' '.join(str(message).split())}", file=sys.stderr)  # one line
+        return exit_code
+
+    try:
+        with contextlib.ExitStack() as on_exit:  # releases the run folder's lock however the run ends
+            return train(args, rank, world_size, device, on_exit)
+    except (BadInput, training_utils.CheckpointError) as err:
+        return error(err, 2)
+    except run_folder.SaveFailed as err:  # raised on every rank, with the code rank 0 chose
+        return error(err, err.exit_code)
+    except Exception as err:
+        if not run_folder.is_no_space(err, args.save_dir):
+            raise
+        return error(f"run folder {args.save_dir}: no space left on device ({err.__class__.__name__})",
+                     run_folder.EXIT_NO_SPACE)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def train(args, rank: int, world_size: int, device) -> int:
+def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStack) -> int:
     is_main = rank == 0
 
     def log(message: str):
@@ -213,7 +262,8 @@ def train(args, rank: int, world_size: int, device) -> int:
         if resume_state is not None:
             stream.load_state_dict(resume_state["data"][rank])
 
-    run_dir = resolve_run_dir(args, rank)  # only now: bad input above leaves no empty run folder behind
+    # Only now: bad input above leaves no empty run folder behind.
+    run_dir = open_run_folder(args, rank, resume_state["update_step"] if resume_state else None, on_exit, log)
     train_model = wrap_model(model, args, world_size, device)
     if args.compile:
         train_model = torch.compile(train_model)  # the uncompiled `model` shares its weights: saving is unchanged
@@ -237,8 +287,12 @@ def train(args, rank: int, world_size: int, device) -> int:
 
     # ---- logging --------------------------------------------------------------------------------------------
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    metrics = training_utils.MetricsFile(
-        metrics_path, resume_step=update_step if args.continue_from else None) if is_main else None
+    metrics = None
+    if is_main:  # rows past update_step (all of them for a run killed before its first checkpoint) are set aside
+        with user_errors():
+            metrics = training_utils.MetricsFile(metrics_path, resume_step=update_step)
+        for note in metrics.notes:
+            log(note)
     run_config = dict(vars(args), world_size=world_size, n_params=n_params, vocab_size=config.vocab_size,
                       run_dir=run_dir)
     wandb_run = None
@@ -257,6 +311,7 @@ def train(args, rank: int, world_size: int, device) -> int:
                                        show_progress=is_main)
 
     def save(step: int) -> str:
+        """Every rank calls this; rank 0 writes, then tells every rank whether it worked (no rank is left waiting)."""
         model_state, optimizer_state = training_utils.full_state_dicts(train_model, optimizer)
         rng_states = training_utils.gather_rank_objects(training_utils.capture_rng_state())
         data_states = training_utils.gather_rank_objects(stream.state_dict())
@@ -264,17 +319,33 @@ def train(args, rank: int, world_size: int, device) -> int:
         checksums = (training_utils.gather_rank_objects(training_utils.parameter_checksum(model))
                      if not args.fsdp else None)
         path = training_utils.checkpoint_dir(run_dir, step)
+        failure, error = [None], None
         if is_main:
             if checksums is not None and len(set(checksums)) > 1:
                 log(f"WARNING: ranks' parameters differ at step {step}: checksums {checksums}")
-            path = training_utils.save_checkpoint(
-                run_dir, step, hf_model=model, model_state=model_state, tokenizer=tokenizer,
-                training_state={"update_step": step, "tokens_seen": tokens_seen, "world_size": world_size,
-                                "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
-                                "rng": rng_states, "data": data_states, "args": vars(args),
-                                "rank_param_checksums": checksums})
-            log(f"checkpoint: {path}")
-        dist.barrier()
+            try:
+                path = training_utils.save_checkpoint(
+                    run_dir, step, hf_model=model, model_state=model_state, tokenizer=tokenizer,
+                    training_state={"update_step": step, "tokens_seen": tokens_seen, "world_size": world_size,
+                                    "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
+                                    "rng": rng_states, "data": data_states, "args": vars(args),
+                                    "rank_param_checksums": checksums})
+                run_folder.fsync_dir(run_dir)  # the rename into model_<step> survives a power loss
+                log(f"checkpoint: {path}")
+            except Exception as err:
+                error = err
+                if run_folder.is_no_space(err, run_dir):
+                    failure[0] = (f"run folder {run_dir}: no space left on device while saving {path}; removed the "
+                                  f"partial checkpoint, the last good one is {last_checkpoint or 'none'}",
+                                  run_folder.EXIT_NO_SPACE)
+                else:
+                    failure[0] = (f"rank 0 could not save {path} ({err.__class__.__name__})", 1)
+                run_folder.remove_partial_checkpoints(run_dir)
+        dist.broadcast_object_list(failure, src=0)
+        if failure[0] is not None:
+            if error is not None and failure[0][1] == 1:
+                raise error  # an unexpected failure: rank 0 shows the traceback
+            raise run_folder.SaveFailed(*failure[0])
         return path
 
     # ---- training loop ----------------------------------------------------------------------------------------
@@ -283,7 +354,8 @@ def train(args, rank: int, world_size: int, device) -> int:
         f"world {world_size}); run folder {run_dir}")
     bar = tqdm(total=args.num_training_steps, initial=update_step, desc="update steps", ncols=100,
                disable=not is_main)
-    status, last_eval, last_checkpoint, diverged_reason = "finished", None, None, None
+    status, last_eval, diverged_reason = "finished", None, None
+    last_checkpoint = args.continue_from  # the last good checkpoint of this history, None until one is saved
     train_model.train()
     while update_step < args.num_training_steps:
         update_start = time.perf_counter()
@@ -326,7 +398,12 @@ def train(args, rank: int, world_size: int, device) -> int:
         tokens_seen += step_tokens
         row = {"step": update_step, "loss": step_loss, "lr": lr, "grad_norm": grad_norm, "tokens_seen": tokens_seen,
                "tokens_per_s": step_tokens / (time.perf_counter() - update_start)}
-        if update_step % args.eval_every == 0 or update_step == args.num_training_steps:
+        saving = update_step % args.save_every == 0 or update_step == args.num_training_steps
+        if saving and not training_utils.parameters_finite(model, device):
+            status, diverged_reason = "diverged", f"non-finite weights after update step {update_step}"
+            row["diverged"] = diverged_reason
+            saving = False
+        elif update_step % args.eval_every == 0 or update_step == args.num_training_steps:
             last_eval = dict(run_eval(), step=update_step)
             row.update(eval_loss=last_eval["eval_loss"], eval_ppl=last_eval["eval_ppl"],  # gains: every rank (FSDP)
                        norm_gain_mean=training_utils.mean_norm_gains(model),
@@ -339,7 +416,10 @@ def train(args, rank: int, world_size: int, device) -> int:
                 wandb_run.log(row, step=update_step)
             bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{lr:.2e}")
             bar.update(1)
-        if update_step % args.save_every == 0 or update_step == args.num_training_steps:
+        if status == "diverged":
+            log(f"diverged at update step {update_step}: {diverged_reason}; not saved (last checkpoint kept)")
+            break
+        if saving:
             last_checkpoint = save(update_step)
     bar.close()
     stream.close()
@@ -363,8 +443,7 @@ def train(args, rank: int, world_size: int, device) -> int:
         "checkpoint": last_checkpoint,
     }
     results_path = os.path.join(run_dir, "results.json")
-    with open(results_path, "w") as f:
-        json.dump({k: training_utils._json_safe(v) for k, v in results.items()}, f, indent=2)
+    run_folder.write_json_atomic(results_path, {k: training_utils._json_safe(v) for k, v in results.items()})
     plot_path = os.path.join(run_dir, "loss_curve.png")
     training_utils.plot_loss_curve(metrics_path, plot_path, title=f"{args.run_name} ({status})")
     gains_plot_path = training_utils.plot_norm_gains(metrics_path, os.path.join(run_dir, "norm_gains.png"),
@@ -379,7 +458,7 @@ def train(args, rank: int, world_size: int, device) -> int:
              f"{results['eval_tokens']} tokens" if status == "finished" else "")
           + f"\nrun folder: {run_dir}\nmetrics:    {metrics_path}\nresults:    {results_path}\nplot:       {plot_path}"
           + (f"\nnorm gains: {gains_plot_path}" if gains_plot_path else "")
-          + f"\ncheckpoint: {last_checkpoint or 'none written by this run'}"
+          + f"\ncheckpoint: {last_checkpoint or 'none'}"
           + (f"\nwandb:      {wandb_dir} ({training_utils.wandb_mode()})" if wandb_dir else ""),
           flush=True)
     return training_utils.EXIT_DIVERGED if status == "diverged" else 0

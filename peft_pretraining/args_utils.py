@@ -12,12 +12,13 @@ import re
 
 import torch
 
+from peft_pretraining import run_folder
 from peft_pretraining.modeling_llama import INIT_METHODS, NORM_TYPES
+from peft_pretraining.run_folder import CHECKPOINT_PREFIX, SUPERSEDED_DIR
 
 DATASET_EMBEDDED = "embedded"
 DEFAULT_HUB_TOKENIZER = "t5-base"
 TRAINING_STATE_FILE = "training_state.pt"
-CHECKPOINT_PREFIX = "model_"
 
 
 def default_dtype() -> str:
@@ -127,23 +128,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def find_checkpoint(path: str) -> str | None:
-    """A checkpoint folder itself, or the highest-step model_<step> inside a run folder; None if neither."""
+    """A checkpoint folder itself, or the highest-step checkpoint of a run folder; None if neither.
+
+    A run folder's checkpoints are its model_<step> folders, and a .model_<step>.old whose model_<step> is missing
+    (a crash between the two renames of a re-save; the trainer restores it at start-up). Checkpoints moved into
+    superseded/ belong to an abandoned history and are never picked.
+    """
     if os.path.isfile(os.path.join(path, TRAINING_STATE_FILE)):
         return path
     candidates = []
-    for sub in glob.glob(os.path.join(path, CHECKPOINT_PREFIX + "*")):
-        suffix = os.path.basename(sub)[len(CHECKPOINT_PREFIX):]
-        if suffix.isdigit() and os.path.isfile(os.path.join(sub, TRAINING_STATE_FILE)):
+    for sub in glob.glob(os.path.join(path, CHECKPOINT_PREFIX + "*")) + glob.glob(os.path.join(path, ".*.old")):
+        name = os.path.basename(sub).removeprefix(".").removesuffix(".old")
+        suffix = name[len(CHECKPOINT_PREFIX):]
+        if sub.endswith(".old") and os.path.exists(os.path.join(path, name)):
+            continue
+        if name.startswith(CHECKPOINT_PREFIX) and suffix.isdigit() and \
+                os.path.isfile(os.path.join(sub, TRAINING_STATE_FILE)):
             candidates.append((int(suffix), sub))
     return max(candidates)[1] if candidates else None
 
 
-def run_folder_in_use(path: str) -> bool:
-    return os.path.isdir(path) and (
-        os.path.exists(os.path.join(path, "metrics.jsonl"))
-        or os.path.exists(os.path.join(path, "results.json"))
-        or bool(glob.glob(os.path.join(path, CHECKPOINT_PREFIX + "*")))
-    )
+def holds_a_run(path: str) -> bool:
+    """A checkpoint or a results.json: a run to resume or a finished one. A folder with only metrics.jsonl is a run
+    killed before its first checkpoint: a fresh start may take it over (its rows move to metrics_superseded.jsonl)."""
+    return os.path.isdir(path) and (os.path.exists(os.path.join(path, "results.json"))
+                                    or find_checkpoint(path) is not None)
 
 
 def _resolve_norm(args, parser, saved: dict):
@@ -171,12 +180,28 @@ def _resolve_norm(args, parser, saved: dict):
         args.post_num = 0
 
 
+def check_saved_config(parser, path: str, saved: dict):
+    """The norm settings a checkpoint's config.json hands to this run must be valid values."""
+    if not isinstance(saved, dict):
+        parser.error(f"--continue_from: {path} is not a JSON object (it holds a {type(saved).__name__})")
+    for key, valid in (("norm_type", NORM_TYPES), ("init_method", INIT_METHODS)):
+        if key in saved and str(saved[key]).lower() not in valid:
+            parser.error(f"--continue_from: {path} has an unknown {key} {saved[key]!r} (valid: {', '.join(valid)})")
+    post_num = saved.get("post_num")
+    if post_num is not None and (not isinstance(post_num, int) or isinstance(post_num, bool)):
+        parser.error(f"--continue_from: {path} has post_num {post_num!r}, not an integer")
+
+
 def check_args(args, parser, world_size: int):
     """Validate and fill derived values; every failure is parser.error (exit 2, one line naming the flag)."""
     args.dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(args.dtype, args.dtype)
 
     if args.continue_from is not None:
         checkpoint = find_checkpoint(args.continue_from)
+        if checkpoint is None and os.path.isfile(os.path.join(args.continue_from, "metrics.jsonl")):
+            parser.error(f"--continue_from {args.continue_from}: the run stopped before its first checkpoint, so "
+                         f"there is nothing to resume; start it again with --save_dir {args.continue_from} and "
+                         f"without --continue_from")
         if checkpoint is None:
             what = "does not exist" if not os.path.exists(args.continue_from) else \
                 f"holds no checkpoint ({TRAINING_STATE_FILE} missing)"
@@ -193,7 +218,9 @@ def check_args(args, parser, world_size: int):
             with open(os.path.join(args.continue_from, "config.json")) as f:
                 saved_config = json.load(f)
         except (OSError, ValueError) as err:
-            parser.error(f"--continue_from {args.continue_from}: corrupt config.json ({err})")
+            parser.error(f"--continue_from: {os.path.join(args.continue_from, 'config.json')} cannot be read as "
+                         f"JSON ({err})")
+        check_saved_config(parser, os.path.join(args.continue_from, "config.json"), saved_config)
     _resolve_norm(args, parser, saved_config)
 
     if args.model_config is None:
@@ -275,9 +302,19 @@ def check_args(args, parser, world_size: int):
         args.run_name = f"{stem}_{args.norm_type}{suffix}_lr{args.lr:g}"
     if args.save_dir is None and args.continue_from is not None:
         args.save_dir = os.path.dirname(os.path.abspath(args.continue_from))  # keep writing into the same run folder
-    if args.save_dir is not None and run_folder_in_use(args.save_dir) and args.continue_from is None:
-        parser.error(f"--save_dir {args.save_dir} already holds a run; pass --continue_from to resume it "
-                     f"or choose another --save_dir")
+        if os.path.basename(args.save_dir) == SUPERSEDED_DIR:
+            parser.error(f"--continue_from {args.continue_from}: a superseded checkpoint; pass a new --save_dir "
+                         f"to branch from it")
+    if args.save_dir is not None:
+        holder = run_folder.lock_holder(args.save_dir)
+        if holder is not None:
+            parser.error(run_folder.busy_message(args.save_dir, holder))
+    if args.save_dir is not None and args.continue_from is None and holds_a_run(args.save_dir):
+        if find_checkpoint(args.save_dir) is None:
+            parser.error(f"--save_dir {args.save_dir} already holds a run that ended without a checkpoint "
+                         f"(results.json); choose another --save_dir")
+        parser.error(f"--save_dir {args.save_dir} already holds a run; pass --continue_from {args.save_dir} to "
+                     f"resume it or choose another --save_dir")
     return args
 
 

@@ -164,11 +164,11 @@ def build_local_tasks(task_names: Iterable[str], output_dir: str | Path,
             for name in task_names if name in LOCAL_TASK_BUILDERS]
 
 
-def task_manager(include_paths: Iterable[str | Path] = ()):
+def task_manager(include_paths: Iterable[str | Path] = (), include_defaults: bool = True):
     from lm_eval.tasks import TaskManager
 
     paths = [str(path) for path in include_paths]
-    return TaskManager(include_path=paths or None)
+    return TaskManager(include_path=paths or None, include_defaults=include_defaults)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -42,6 +42,9 @@ def load_instruction_dataset(source: str, split: str = "train", max_samples: int
     if is_local_data(source):
         if not os.path.isfile(source):
             raise ValueError(f"--dataset {source!r}: no such file")
+        with open(source, "rb") as f:
+            if not f.read(4096).strip():
+                raise ValueError(f"--dataset {source!r}: the file holds no records")
         dataset = load_dataset("json", data_files={split: os.path.abspath(source)}, split=split)
     else:
         dataset = load_dataset(source, split=split)

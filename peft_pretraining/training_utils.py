@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from tqdm import tqdm
 
+from peft_pretraining import run_folder
 from peft_pretraining.args_utils import CHECKPOINT_PREFIX, TRAINING_STATE_FILE
 
 CHECKPOINT_FORMAT = 1
@@ -275,6 +276,18 @@ def parameter_checksum(model) -> float:
         return float(sum(p.detach().double().sum().item() for p in model.parameters()))
 
 
+def parameters_finite(model, device) -> bool:
+    """True when every parameter on every rank (every shard under FSDP2) is finite: a checkpoint must never hold
+    the weights of an update that overflowed."""
+    with torch.no_grad():
+        bad = sum(int((~torch.isfinite(p.to_local() if hasattr(p, "to_local") else p)).any())
+                  for p in model.parameters())
+    flag = torch.tensor(bad, dtype=torch.int64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(flag)
+    return int(flag.item()) == 0
+
+
 def gather_rank_objects(obj) -> list:
     """Every rank's `obj`, in rank order (a one-element list without torchrun)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -389,28 +402,30 @@ def _json_safe(value):
 
 
 class MetricsFile:
-    """metrics.jsonl: one JSON object per update step, flushed as it is written."""
+    """metrics.jsonl: one JSON object per update step, flushed as it is written.
+
+    `resume_step`: the rows past it belong to a trajectory that is about to be replayed (or, at 0, to a run killed
+    before its first checkpoint): they move to metrics_superseded.jsonl (appended, so nothing written earlier is
+    lost). `notes` says what was moved or dropped.
+    """
 
     def __init__(self, path: str, resume_step: int | None = None):
         self.path = path
+        self.notes = []
         if resume_step is not None and os.path.exists(path):
             self._truncate_after(resume_step)
         self._file = open(path, "a")
 
     def _truncate_after(self, step: int):
-        # Rows past the resumed checkpoint belong to a trajectory that is about to be replayed: they move to
-        # metrics_superseded.jsonl (appended, so nothing written earlier is lost).
-        with open(self.path) as f:
-            lines = [line for line in f if line.strip()]
+        lines, self.notes = run_folder.read_jsonl(self.path)
         kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
         superseded = [line for line in lines if json.loads(line).get("step", 0) > step]
         if superseded:
             with open(os.path.join(os.path.dirname(self.path), "metrics_superseded.jsonl"), "a") as f:
                 f.writelines(superseded)
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(kept)
-        os.replace(tmp, self.path)
+            self.notes.append(f"note: moved {len(superseded)} rows past step {step} of {self.path} to "
+                              f"metrics_superseded.jsonl")
+        run_folder.write_lines_atomic(self.path, kept)
 
     def write(self, row: dict):
         self._file.write(json.dumps({k: _json_safe(v) for k, v in row.items()}, allow_nan=False) + "\n")

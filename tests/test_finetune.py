@@ -175,9 +175,11 @@ def test_bad_flags_fail_with_the_flag_name(tmp_path, hf_llama_dir, instruction_f
         assert flag in capsys.readouterr().err
     bad_records = tmp_path / "bad.jsonl"
     bad_records.write_text(json.dumps({"question": "?", "answer": "x"}) + "\n")
-    with pytest.raises(ValueError, match="instruction, output"):
+    with pytest.raises(SystemExit) as exit_info:  # checked before the model loads or any file is written
         finetune.run(["--model_path", hf_llama_dir, "--tokenizer", TOKENIZER, "--dataset", str(bad_records),
                       "--eval_tasks", "none", "--output_dir", str(tmp_path / "bad2")])
+    assert exit_info.value.code == 2 and "instruction, output" in capsys.readouterr().err
+    assert not (tmp_path / "bad2").exists()
 
 
 def test_next_sentence_items():

@@ -160,7 +160,9 @@ def test_a_diverging_resume_keeps_checkpoints_and_metrics(shared_run, tmp_path):
     # The spike rule: any loss above 0.01 counts as divergence, so the first resumed update diverges.
     proc = run_main([*SHARED_RUN, "--continue_from", str(run_dir / f"model_{STEPS}"), "--divergence_loss", "0.01"])
     assert proc.returncode == EXIT_DIVERGED, proc.stderr[-3000:]
-    assert {p.name: tree_hashes(p) for p in run_dir.glob("model_*")} == checkpoints_before
+    # Resuming from step STEPS supersedes the later checkpoint: it moves, unchanged, into superseded/.
+    kept = {p.name: tree_hashes(p) for p in [*run_dir.glob("model_*"), *run_dir.glob("superseded/model_*")]}
+    assert kept == checkpoints_before and (run_dir / "superseded" / f"model_{2 * STEPS}").is_dir()
     results = json.loads((run_dir / "results.json").read_text())
     assert results["status"] == "diverged" and results["step"] == STEPS + 1
     rows = read_jsonl(run_dir / "metrics.jsonl")

@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> np.ndarray:
     model_io.check_positive_or_none(parser, args, "max_seq_len")
     model_io.apply_threads(parser, args)
     device, dtype, source = model_io.resolve_run_settings(parser, args)
+    model_io.check_model_path(parser, args.model_path)
 
     model, tokenizer = model_io.load_model_and_tokenizer(args.model_path, dtype, device, args.tokenizer)
     max_seq_len = model_io.resolve_context_length(model, args.max_seq_len, fallback=model_io.HUB_STREAM_WINDOW)

@@ -57,7 +57,7 @@ from peft_pretraining.training_utils import (  # noqa: E402
     plot_loss_curve,
     seed_everything,
 )
-from utils.model_io import load_model_and_tokenizer, resolve_context_length, resolve_device  # noqa: E402
+from utils.model_io import bad_input, load_model_and_tokenizer, resolve_context_length, resolve_device  # noqa: E402
 
 # The paper's SFT evaluation (lm-eval task names); "siqa" is lm-eval's social_iqa.
 PAPER_TASKS = ("boolq", "piqa", "social_iqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
@@ -246,12 +246,27 @@ def save_model_dir(model, tokenizer, directory: Path):
 
 
 # ----------------------------------------------------------------------------- training
-def train(model, tokenizer, args, device, wandb_run) -> dict:
-    dataset = load_instruction_dataset(args.dataset, args.dataset_split, args.max_train_samples)
+def load_training_data(args, parser):
+    """The instruction records, or a one-line error naming --dataset (before any model is loaded or file written)."""
+    try:
+        return load_instruction_dataset(args.dataset, args.dataset_split, args.max_train_samples)
+    except ValueError as err:
+        bad_input(parser, str(err))
+    except Exception as err:  # datasets' own errors for a file it cannot parse
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        bad_input(parser, f"--dataset {args.dataset}: cannot be read as instruction records "
+                          f"({err.__class__.__name__}: {first_line[:160]})")
+
+
+def tokenize_training_data(dataset, tokenizer, args, parser):
     tokenized = tokenize_dataset(dataset, tokenizer, args.cutoff_len)
     if len(tokenized) == 0:
-        raise SystemExit(f"--dataset {args.dataset}: no example has a response token within --cutoff_len "
-                         f"{args.cutoff_len}")
+        bad_input(parser, f"--dataset {args.dataset}: no example has a response token within --cutoff_len "
+                          f"{args.cutoff_len}")
+    return tokenized
+
+
+def train(model, tokenizer, tokenized, args, device, wandb_run) -> dict:
     accumulation = args.batch_size // args.micro_batch_size
     generator = torch.Generator().manual_seed(args.seed)
     loader = torch.utils.data.DataLoader(tokenized.with_format(columns=["input_ids", "labels"]),
@@ -412,8 +427,10 @@ def run(argv=None) -> dict:
     except ValueError as err:
         parser.error(str(err))
     seed_everything(args.seed)
+    dataset = None if args.eval_only else load_training_data(args, parser)
     model, tokenizer = prepare_model(args, parser, device)
-    output = Path(args.output_dir)
+    tokenized = None if args.eval_only else tokenize_training_data(dataset, tokenizer, args, parser)
+    output = Path(args.output_dir)  # written only now, once every input has been read
     output.mkdir(parents=True, exist_ok=True)
     (output / ARGS_FILE).write_text(json.dumps(vars(args), indent=2, default=str))
     model_label = args.run_name or f"{Path(args.model_path).name}{'+lns' if args.apply_lns else ''}"
@@ -423,7 +440,7 @@ def run(argv=None) -> dict:
     try:
         if not args.eval_only:
             started = time.time()
-            summary["train"] = train(model, tokenizer, args, device, wandb_run)
+            summary["train"] = train(model, tokenizer, tokenized, args, device, wandb_run)
             summary["train"]["seconds"] = time.time() - started
             model = export_final(model, tokenizer, args)
         results = evaluate_tasks(model, tokenizer, args) if args.eval_tasks else {}

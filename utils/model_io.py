@@ -69,10 +69,48 @@ def resolve_run_settings(parser, args) -> tuple[torch.device, torch.dtype, tuple
 
 # ----------------------------------------------------------------------------- loading
 def read_local_config(model_path: str | os.PathLike) -> dict | None:
+    """The folder's config.json as a dict, None when there is none; ValueError naming the file when it is not a
+    JSON object or names a norm_type our model does not know."""
+    from peft_pretraining.modeling_llama import NORM_TYPES
+
     config_file = Path(model_path) / "config.json"
     if not config_file.is_file():
         return None
-    return json.loads(config_file.read_text())
+    try:
+        config = json.loads(config_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{config_file}: not valid JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file}: not a JSON object (it holds a {type(config).__name__})")
+    if "norm_type" in config and str(config["norm_type"]).lower() not in NORM_TYPES:
+        raise ValueError(f"{config_file}: unknown norm_type {config['norm_type']!r} (valid: {', '.join(NORM_TYPES)})")
+    return config
+
+
+def bad_input(parser, message: str):
+    """Exit 2 with one line (no usage block): `<tool>: error: <message>`."""
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
+def check_model_path(parser, model_path: str, flag: str = "--model_path") -> None:
+    """Before any work: a local folder with a readable config.json, or a model the hub (or its cache) knows.
+    Otherwise a one-line error naming `flag` (exit 2)."""
+    path = Path(model_path)
+    if path.exists():
+        try:
+            config = read_local_config(path) if path.is_dir() else None
+        except ValueError as err:
+            bad_input(parser, f"{flag}: {err}")
+        if config is None:
+            bad_input(parser, f"{flag}: {model_path} is not a model folder (no config.json)")
+        return
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        bad_input(parser, f"{flag}: {model_path} is neither a local folder nor a model on the hub ({first_line})")
 
 
 def is_our_checkpoint(model_path: str | os.PathLike) -> bool:

@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if len(labels) != len(args.model_paths):
         parser.error(f"--labels: got {len(labels)} labels for {len(args.model_paths)} models")
     device, dtype, source = model_io.resolve_run_settings(parser, args)
+    for model_path in args.model_paths:  # every path, before the first model is analysed
+        model_io.check_model_path(parser, model_path, "--model_paths")
 
     results = []
     for label, model_path in zip(labels, args.model_paths):

@@ -1,0 +1,246 @@
+"""The run folder of torchrun_main.py: one owner at a time, recovery after a crash, one history, no torn files.
+
+- ``locked(run_dir)``: an exclusive ``fcntl.flock`` on RUN/run.lock, held by rank 0 for the whole run, with the
+  holder's PID written inside. The kernel drops a flock when its holder dies (kill -9 included), so a lock file left
+  behind by a dead process never blocks; ``lock_holder`` probes it without taking it.
+- ``recover(run_dir)``: at start-up, removes the temporary folders and files of a save cut short (.model_N.tmp,
+  metrics.jsonl.tmp, .results.json.tmp) and restores .model_N.old as model_N when a crash fell between the two
+  renames of a re-save.
+- ``supersede_after(run_dir, step)``: resuming from step k moves the folder's model_N with N > k (and its results.json)
+  into RUN/superseded/, as the metric rows past k go to metrics_superseded.jsonl, so that a run folder only ever holds
+  one history and resuming the folder can never pick up the abandoned one.
+- ``write_json_atomic``, ``write_lines_atomic``, ``fsync_dir``: temporary file, fsync, rename, then fsync the folder.
+- ``read_jsonl``: metrics.jsonl rows, dropping a last line cut short by a crash or a full disk (with a note).
+- ``is_no_space``: recognises a full disk however the writer reports it (OSError ENOSPC, safetensors' message, or
+  torch's "unexpected pos" on a nearly full disk); the trainer then exits with EXIT_NO_SPACE.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import re
+import shutil
+import time
+
+CHECKPOINT_PREFIX = "model_"
+LOCK_FILE = "run.lock"
+SUPERSEDED_DIR = "superseded"
+EXIT_NO_SPACE = 4
+LOCK_WAIT_S = 1.0  # a second process probing the lock holds it for microseconds; do not mistake that for an owner
+
+_CHECKPOINT = re.compile(rf"{CHECKPOINT_PREFIX}(\d+)")
+_OLD_CHECKPOINT = re.compile(rf"\.{CHECKPOINT_PREFIX}(\d+)\.old")
+_PARTIAL_CHECKPOINT = re.compile(rf"\.{CHECKPOINT_PREFIX}\d+\.tmp")
+_TEMP_FILES = ("metrics.jsonl.tmp", ".results.json.tmp")
+_NO_SPACE_MESSAGES = ("no space left on device", "os error 28", "disk quota exceeded")
+_TORCH_WRITE_FAILURES = ("unexpected pos", "file write failed", "iostream error")
+_NEARLY_FULL_BYTES = 16 * 2**20
+
+
+class RunFolderBusy(Exception):
+    """Another live process holds the run folder's lock."""
+
+
+class SaveFailed(Exception):
+    """Rank 0 could not save a checkpoint; raised on every rank with the same exit code."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Lock
+# ----------------------------------------------------------------------------------------------------------------
+
+def _read_pid(fd: int) -> str:
+    text = os.pread(fd, 64, 0).decode(errors="replace").strip()
+    return text if text.isdigit() else "unknown"
+
+
+def busy_message(run_dir: str, pid: str) -> str:
+    return (f"run folder {run_dir} is in use by process {pid} (lock {os.path.join(run_dir, LOCK_FILE)}); "
+            f"wait for it to end or choose another --save_dir")
+
+
+def lock_holder(run_dir: str) -> str | None:
+    """The PID of the live process holding run_dir's lock, or None; takes nothing and writes nothing."""
+    try:
+        fd = os.open(os.path.join(run_dir, LOCK_FILE), os.O_RDONLY)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None  # nobody holds it (a dead holder's lock went with it); closing the fd releases the probe
+    except BlockingIOError:
+        return _read_pid(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def locked(run_dir: str):
+    """Hold run_dir's exclusive lock for the duration of the block; RunFolderBusy if a live process holds it."""
+    fd = os.open(os.path.join(run_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RunFolderBusy(busy_message(run_dir, _read_pid(fd))) from None
+                time.sleep(0.05)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        os.fsync(fd)
+        yield
+    finally:
+        os.close(fd)  # releases the lock; the file stays (unlinking it would race with a process opening it)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Durable writes
+# ----------------------------------------------------------------------------------------------------------------
+
+def fsync_dir(directory: str):
+    """Make the renames and creations inside `directory` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_lines_atomic(path: str, lines: list[str], temp_path: str | None = None):
+    """Replace `path` by `lines` all at once: a crash or a full disk leaves the old file or the new one, whole."""
+    temp_path = temp_path or path + ".tmp"
+    try:
+        with open(temp_path, "w") as f:
+            f.writelines(lines)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp_path, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temp_path)
+        raise
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def write_json_atomic(path: str, payload: dict):
+    folder, name = os.path.split(path)
+    write_lines_atomic(path, [json.dumps(payload, indent=2) + "\n"], os.path.join(folder, f".{name}.tmp"))
+
+
+def read_jsonl(path: str) -> tuple[list[str], list[str]]:
+    """(lines, notes): the JSON object lines of `path`, each ending in a newline.
+
+    A last line that is not JSON was cut short by a crash or a full disk: it is dropped, and a note says so. A bad
+    line anywhere else is damage, not a crash: ValueError naming the file and the line.
+    """
+    with open(path) as f:
+        numbered = [(number, line) for number, line in enumerate(f, start=1) if line.strip()]
+    lines, notes = [], []
+    for index, (number, line) in enumerate(numbered):
+        try:
+            json.loads(line)
+        except ValueError:
+            if index < len(numbered) - 1:
+                raise ValueError(f"{path}: line {number} is not JSON; repair or remove that line") from None
+            notes.append(f"note: {path}: dropped the last line ({len(line)} characters), cut short by a crash or "
+                         f"a full disk")
+            break
+        lines.append(line if line.endswith("\n") else line + "\n")
+    return lines, notes
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Start-up recovery and one history per folder
+# ----------------------------------------------------------------------------------------------------------------
+
+def recover(run_dir: str) -> list[str]:
+    """Undo what a crash in the middle of a save left behind (call with the lock held); returns notes."""
+    notes = []
+    for name in sorted(os.listdir(run_dir)):
+        path = os.path.join(run_dir, name)
+        old = _OLD_CHECKPOINT.fullmatch(name)
+        if old and os.path.isdir(path):
+            final = os.path.join(run_dir, f"{CHECKPOINT_PREFIX}{old.group(1)}")
+            if os.path.exists(final):  # the swap finished; only the removal of the old copy was cut short
+                shutil.rmtree(path)
+                notes.append(f"recovery: removed {name}, an old copy already replaced by {os.path.basename(final)}")
+            else:  # killed between the two renames of a re-save: the old copy is the last complete one
+                os.rename(path, final)
+                notes.append(f"recovery: restored {os.path.basename(final)} from {name}")
+    for name in sorted(os.listdir(run_dir)):
+        path = os.path.join(run_dir, name)
+        if _PARTIAL_CHECKPOINT.fullmatch(name) and os.path.isdir(path):
+            shutil.rmtree(path)
+            notes.append(f"recovery: removed {name}, a checkpoint whose save was cut short")
+        elif name in _TEMP_FILES and os.path.isfile(path):
+            os.remove(path)
+            notes.append(f"recovery: removed {name}, a rewrite that was cut short")
+    if notes:
+        fsync_dir(run_dir)
+    return notes
+
+
+def remove_partial_checkpoints(run_dir: str):
+    """After a failed save: free the space a half-written .model_N.tmp holds."""
+    for name in os.listdir(run_dir):
+        if _PARTIAL_CHECKPOINT.fullmatch(name):
+            shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+
+
+def checkpoint_steps(run_dir: str) -> list[int]:
+    return sorted(int(m.group(1)) for m in map(_CHECKPOINT.fullmatch, os.listdir(run_dir)) if m)
+
+
+def _free_name(folder: str, name: str) -> str:
+    candidate, copy = os.path.join(folder, name), 2
+    while os.path.exists(candidate):
+        candidate, copy = os.path.join(folder, f"{name}-{copy}"), copy + 1
+    return candidate
+
+
+def supersede_after(run_dir: str, step: int) -> list[str]:
+    """Resuming from `step`: move the folder's later checkpoints (and the results of that later history) aside."""
+    later = [f"{CHECKPOINT_PREFIX}{s}" for s in checkpoint_steps(run_dir) if s > step]
+    if not later:
+        return []
+    if os.path.exists(os.path.join(run_dir, "results.json")):
+        later.append("results.json")
+    superseded = os.path.join(run_dir, SUPERSEDED_DIR)
+    os.makedirs(superseded, exist_ok=True)
+    for name in later:
+        os.rename(os.path.join(run_dir, name), _free_name(superseded, name))
+    fsync_dir(superseded)
+    fsync_dir(run_dir)
+    return [f"resuming from step {step}: moved {', '.join(later)} of the later history into {superseded}"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Full disk
+# ----------------------------------------------------------------------------------------------------------------
+
+def is_no_space(err: BaseException, folder: str | None = None) -> bool:
+    """True when `err` (or what caused it) is a full disk or quota."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        message = str(err).lower()
+        if any(text in message for text in _NO_SPACE_MESSAGES):
+            return True
+        # torch.save reports a failed write without its errno; a nearly full disk says what it was.
+        if (folder is not None and any(text in message for text in _TORCH_WRITE_FAILURES)
+                and os.path.isdir(folder) and shutil.disk_usage(folder).free < _NEARLY_FULL_BYTES):
+            return True
+        err = err.__cause__ or err.__context__
+    return False

@@ -1,0 +1,477 @@
+"""Fault injection: a run folder survives crashes, concurrent runs, full disks and bad files (issue 13).
+
+Each test hurts a run one way and checks that it ends in one line and a documented exit code, that nothing saved is
+lost, and, where training goes on afterwards, that the result is bit-identical to an uninterrupted run. In-process
+`torchrun_main.main([...])` calls are used wherever a real process is not needed; a process killed with SIGKILL in the
+middle of a save is a subprocess whose save is stopped at a chosen stage by a sitecustomize module (test-only code,
+on PYTHONPATH, nothing in the trainer).
+"""
+import errno
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import torchrun_main
+from peft_pretraining import run_folder, training_utils
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = 6
+RUN = ["--model_config", "configs/llama_tiny.json", "--dataset", "embedded", "--max_length", "32", "--batch_size", "4",
+       "--workers", "0", "--eval_tokens", "200", "--dtype", "float32", "--device", "cpu", "--lr", "3e-3",
+       "--warmup_steps", "1", "--num_training_steps", str(STEPS), "--save_every", "2", "--eval_every", str(STEPS)]
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+# Loaded by every Python process started with this file's folder on PYTHONPATH: stops the save of step
+# FAULT_STEP at stage FAULT_STAGE (SIGKILL, or a pause that the test ends with SIGKILL), or makes rank 0's save fail
+# with ENOSPC (FAULT_STAGE=enospc_rank0).
+SITECUSTOMIZE = '''
+import os
+if os.environ.get("FAULT_STAGE"):
+    import signal, time
+    import torch
+    from peft_pretraining import training_utils
+
+    stage, fault_step = os.environ["FAULT_STAGE"], int(os.environ.get("FAULT_STEP", "0"))
+    real_save, real_rename, real_replace = training_utils.save_checkpoint, os.rename, os.replace
+
+    def stop():
+        if stage.endswith("_pause"):
+            open(os.environ["FAULT_READY"], "w").close()
+            time.sleep(600)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def renaming_stops(real):
+        def rename(src, dst, *args, **kwargs):
+            if str(src).endswith(".tmp"):
+                stop()
+            return real(src, dst, *args, **kwargs)
+        return rename
+
+    def torch_save_stops(*args, **kwargs):
+        stop()
+
+    def save_checkpoint(run_dir, step, **kwargs):
+        if stage == "enospc_rank0":
+            raise OSError(28, "No space left on device (injected)")
+        if step != fault_step:
+            return real_save(run_dir, step, **kwargs)
+        if stage == "partial":  # weights and tokenizer written into .model_N.tmp, the training state not yet
+            torch.save = torch_save_stops
+        elif stage.startswith("before_rename"):  # .model_N.tmp complete, not yet renamed
+            os.rename, os.replace = renaming_stops(real_rename), renaming_stops(real_replace)
+        real_save(run_dir, step, **kwargs)
+        stop()  # after_rename: model_N in place, the run not yet told
+
+    training_utils.save_checkpoint = save_checkpoint
+'''
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread, as in the subprocesses: the same float reduction order, so runs compare bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def train(*args) -> int:
+    return torchrun_main.main([*RUN, *[str(a) for a in args]])
+
+
+def train_expecting_exit(*args) -> int:
+    """A parse-time error exits (SystemExit); a later one returns the code. Either way: the code."""
+    try:
+        return train(*args)
+    except SystemExit as exit_info:
+        return exit_info.code
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def weights(checkpoint: Path) -> dict:
+    return training_utils.load_model_weights(str(checkpoint))
+
+
+def assert_same_weights(a: Path, b: Path):
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def assert_matches_reference(run_dir: Path, reference: Path):
+    """Same trajectory, bit for bit: every logged loss and the final weights."""
+    assert [(r["step"], r["loss"]) for r in rows(run_dir)] == [(r["step"], r["loss"]) for r in rows(reference)]
+    assert_same_weights(run_dir / f"model_{STEPS}", reference / f"model_{STEPS}")
+    assert json.loads((run_dir / "results.json").read_text())["status"] == "finished"
+
+
+def tree_hashes(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def one_error_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "Traceback" not in text and "usage:" not in text, text[-3000:]
+    return lines[0]
+
+
+def fault_env(tmp_path: Path, **faults) -> dict:
+    hooks = tmp_path / "fault_hooks"
+    hooks.mkdir(exist_ok=True)
+    (hooks / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    return dict(os.environ, **ONE_THREAD, PYTHONPATH=os.pathsep.join([str(hooks), str(REPO)]),
+                **{k: str(v) for k, v in faults.items()})
+
+
+def start_killed_run(tmp_path: Path, run_dir: Path, stage: str, step: int) -> subprocess.Popen:
+    env = fault_env(tmp_path, FAULT_STAGE=stage, FAULT_STEP=step, FAULT_READY=tmp_path / "paused")
+    with open(tmp_path / "killed_run.log", "w") as log:
+        return subprocess.Popen([sys.executable, "torchrun_main.py", *RUN, "--save_dir", str(run_dir)], cwd=REPO,
+                                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_killed(proc: subprocess.Popen, tmp_path: Path):
+    proc.wait(timeout=300)
+    assert proc.returncode == -signal.SIGKILL, (tmp_path / "killed_run.log").read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run every recovered run must match: checkpoints at steps 2, 4 and 6."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    assert train("--save_dir", run_dir) == 0
+    return run_dir
+
+
+def copy_of(reference: Path, tmp_path: Path) -> Path:
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir, ignore=shutil.ignore_patterns(run_folder.LOCK_FILE))
+    return run_dir
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 1. Two processes on one run folder; kill -9 with a complete .model_N.tmp not yet renamed
+# --------------------------------------------------------------------------------------------------------------
+
+def test_second_process_on_a_locked_folder_exits_2_naming_the_holder(reference, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    holder = start_killed_run(tmp_path, run_dir, "before_rename_pause", 4)
+    try:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "paused").exists():
+            assert holder.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "killed_run.log").read_text()[-3000:]
+            time.sleep(0.2)
+        before = tree_hashes(run_dir)
+        for second in (["--continue_from", run_dir], ["--save_dir", run_dir]):  # a resume and a fresh start
+            assert train_expecting_exit(*second) == 2
+            message = one_error_line(capsys.readouterr().err)
+            assert str(run_dir) in message and f"process {holder.pid}" in message
+        with pytest.raises(run_folder.RunFolderBusy, match=f"process {holder.pid}"):  # two starting at once
+            with run_folder.locked(str(run_dir)):
+                pass
+        assert tree_hashes(run_dir) == before  # the second process touched nothing
+    finally:
+        holder.kill()
+    wait_killed(holder, tmp_path)
+    assert (run_dir / ".model_4.tmp").is_dir() and (run_dir / run_folder.LOCK_FILE).is_file()
+
+    assert train("--continue_from", run_dir) == 0  # the dead holder's lock does not block
+    assert not list(run_dir.glob(".model_*"))  # the stale .model_4.tmp was removed at start-up
+    assert_matches_reference(run_dir, reference)
+
+
+def test_a_run_that_ends_while_another_starts_is_not_taken_over(reference, tmp_path, monkeypatch, capsys):
+    """Both fresh starts passed the command-line check on an empty folder; the first finished before the second
+    took the lock. The second must decide again under the lock, and leave the finished run alone."""
+    run_dir = tmp_path / "run"
+    real_locked = run_folder.locked
+
+    def first_run_finishes_meanwhile(folder):
+        for name in ("model_2", "metrics.jsonl", "results.json"):
+            copy = shutil.copytree if (reference / name).is_dir() else shutil.copy
+            copy(reference / name, run_dir / name)
+        return real_locked(folder)
+
+    monkeypatch.setattr(run_folder, "locked", first_run_finishes_meanwhile)
+    assert train("--save_dir", run_dir, "--num_training_steps", "2") == 2
+    assert "already holds a run" in one_error_line(capsys.readouterr().err)
+    assert (run_dir / "metrics.jsonl").read_bytes() == (reference / "metrics.jsonl").read_bytes()
+    assert tree_hashes(run_dir / "model_2") == tree_hashes(reference / "model_2")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 2. Branch, then resume the folder
+# --------------------------------------------------------------------------------------------------------------
+
+class Killed(BaseException):
+    """Stands for SIGKILL in an in-process run: nothing catches it."""
+
+
+def test_branch_then_resume_never_mixes_histories(reference, tmp_path, monkeypatch):
+    run_dir = copy_of(reference, tmp_path)
+    old_history = {name: tree_hashes(run_dir / name) for name in ("model_4", "model_6")}
+    real_save = training_utils.save_checkpoint
+
+    def killed_at_step_4(run_dir_, step, **kwargs):
+        if step == 4:
+            raise Killed
+        return real_save(run_dir_, step, **kwargs)
+
+    monkeypatch.setattr(training_utils, "save_checkpoint", killed_at_step_4)
+    with pytest.raises(Killed):  # a branch from step 2 with another lr, killed at its step-4 save
+        train("--continue_from", run_dir / "model_2", "--lr", "1e-2")
+    monkeypatch.setattr(training_utils, "save_checkpoint", real_save)
+
+    # The later checkpoints of the old history moved aside, unchanged; only the branch point is left to resume.
+    assert sorted(p.name for p in run_dir.glob("model_*")) == ["model_2"]
+    assert {name: tree_hashes(run_dir / "superseded" / name) for name in old_history} == old_history
+    assert train("--continue_from", run_dir) == 0
+    assert_matches_reference(run_dir, reference)  # resumed at step 2: nothing of either abandoned trajectory
+    superseded_steps = [json.loads(line)["step"] for line in (run_dir / "metrics_superseded.jsonl").open()]
+    assert superseded_steps == [3, 4, 5, 6, 3, 4]  # the old history's rows, then the branch's
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 3. A non-finite update
+# --------------------------------------------------------------------------------------------------------------
+
+def test_non_finite_update_is_never_saved(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code = train("--save_dir", run_dir, "--lr", "1e39", "--warmup_steps", "0", "--save_every", "1")
+    assert code == training_utils.EXIT_DIVERGED
+    assert not list(run_dir.glob("model_*")) and not list(run_dir.glob(".model_*"))
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["status"] == "diverged" and results["checkpoint"] is None
+    assert "non-finite weights" in results["diverged_reason"] and rows(run_dir)[-1]["diverged"]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 4. Logs that a crash can cut
+# --------------------------------------------------------------------------------------------------------------
+
+def test_truncated_last_metrics_line_is_dropped_with_a_note(reference, tmp_path, capsys):
+    run_dir = copy_of(reference, tmp_path)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run_dir / "metrics.jsonl").write_text("".join(lines[:4]) + lines[4][: len(lines[4]) // 2])  # power lost in row 5
+    assert train("--continue_from", run_dir / "model_4") == 0
+    assert "dropped the last line" in capsys.readouterr().out
+    assert_matches_reference(run_dir, reference)
+
+
+def test_results_json_is_written_atomically_and_renames_are_fsynced(tmp_path, monkeypatch):
+    run_dir = Path(os.path.realpath(tmp_path)) / "run"
+    events = []
+
+    def recorded(kind, real):
+        def call(first, *args, **kwargs):
+            path = os.readlink(f"/proc/self/fd/{first}") if kind == "fsync" else os.path.realpath(args[0])
+            events.append((kind, path))
+            return real(first, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(os, "replace", recorded("rename", os.replace))
+    monkeypatch.setattr(os, "rename", recorded("rename", os.rename))
+    monkeypatch.setattr(os, "fsync", recorded("fsync", os.fsync))
+    assert train("--save_dir", run_dir, "--num_training_steps", "2", "--eval_every", "2") == 0
+    # results.json appears whole, by a rename; each rename into the run folder is followed by an fsync of it.
+    assert ("rename", str(run_dir / "results.json")) in events
+    for index, (kind, path) in enumerate(events):
+        if kind == "rename" and Path(path).parent == run_dir:
+            assert ("fsync", str(run_dir)) in events[index + 1:], path
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 5. A full disk; what a crash inside a save leaves behind
+# --------------------------------------------------------------------------------------------------------------
+
+def test_full_disk_is_one_line_exit_4_and_keeps_the_last_checkpoint(reference, tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    real_torch_save = torch.save
+
+    def disk_full_at_step_4(obj, path, *args, **kwargs):
+        if isinstance(obj, dict) and obj.get("update_step") == 4:
+            Path(path).write_bytes(b"\0" * 1000)  # part of the file made it to disk
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_torch_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", disk_full_at_step_4)
+    assert train("--save_dir", run_dir) == run_folder.EXIT_NO_SPACE
+    message = one_error_line(capsys.readouterr().err)
+    assert str(run_dir) in message and "no space left on device" in message
+    assert not list(run_dir.glob(".model_*"))  # the partial checkpoint is removed
+    assert_same_weights(run_dir / "model_2", reference / "model_2")  # the last good one is kept
+
+    # Resuming on the still-full disk: the metrics rewrite fails, and metrics.jsonl is left as it was.
+    metrics_before = (run_dir / "metrics.jsonl").read_bytes()
+    real_fsync = os.fsync
+
+    def metrics_rewrite_fails(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("metrics.jsonl.tmp"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", metrics_rewrite_fails)
+    assert train_expecting_exit("--continue_from", run_dir) == run_folder.EXIT_NO_SPACE
+    assert "no space left on device" in one_error_line(capsys.readouterr().err)
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics_before
+    assert not (run_dir / "metrics.jsonl.tmp").exists()
+
+
+def test_stale_tmp_is_removed_and_old_copy_restored_at_start_up(reference, tmp_path, capsys):
+    run_dir = copy_of(reference, tmp_path)
+    shutil.rmtree(run_dir / "model_6")
+    (run_dir / "results.json").unlink()
+    # Killed between the two renames of a re-save of step 4: model_4 -> .model_4.old done, .model_4.tmp not renamed.
+    (run_dir / "model_4").rename(run_dir / ".model_4.old")
+    (run_dir / ".model_4.tmp").mkdir()
+    (run_dir / ".model_4.tmp" / "model.safetensors").write_bytes(b"\0" * 100)
+    assert train("--continue_from", run_dir) == 0
+    out = capsys.readouterr().out
+    assert "restored model_4 from .model_4.old" in out and "resumed from" in out
+    assert not list(run_dir.glob(".model_*"))
+    assert_matches_reference(run_dir, reference)
+
+
+def test_kill_9_after_the_rename_resumes_bit_exact(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    wait_killed(start_killed_run(tmp_path, run_dir, "after_rename", 4), tmp_path)
+    assert sorted(p.name for p in run_dir.glob("*model_*")) == ["model_2", "model_4"]
+    assert train("--continue_from", run_dir) == 0
+    assert_matches_reference(run_dir, reference)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 6. Killed before the first checkpoint (kill -9 with a half-written .model_N.tmp)
+# --------------------------------------------------------------------------------------------------------------
+
+def test_killed_before_the_first_checkpoint_starts_afresh_in_the_same_folder(reference, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    wait_killed(start_killed_run(tmp_path, run_dir, "partial", 2), tmp_path)
+    assert (run_dir / ".model_2.tmp").is_dir() and not list(run_dir.glob("model_*"))
+    assert train_expecting_exit("--continue_from", run_dir) == 2
+    message = one_error_line(capsys.readouterr().err)
+    assert f"--save_dir {run_dir}" in message and "without --continue_from" in message
+    assert train("--save_dir", run_dir) == 0
+    assert not list(run_dir.glob(".model_*"))
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics_superseded.jsonl").open()] == [1, 2]
+    assert_matches_reference(run_dir, reference)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 7. Bad files inside a checkpoint; 8. validation before any work
+# --------------------------------------------------------------------------------------------------------------
+
+BAD_CONFIGS = {"a JSON list": "[1, 2, 3]", "not JSON": "{norm_type: pre", "an unknown norm_type": None}
+
+
+def tool_main(tool: str):
+    if tool == "layer_remove":
+        import layer_remove
+        return layer_remove.main
+    if tool == "angular_analysis":
+        from utils import angular_analysis
+        return angular_analysis.main
+    from utils import variance_analysis
+    return variance_analysis.main
+
+
+@pytest.mark.parametrize("problem", BAD_CONFIGS)
+def test_malformed_checkpoint_config_is_one_line_exit_2_everywhere(problem, reference, tmp_path, capsys):
+    checkpoint = tmp_path / "model_2"
+    shutil.copytree(reference / "model_2", checkpoint)
+    config_file = checkpoint / "config.json"
+    config_file.write_text(BAD_CONFIGS[problem] or json.dumps(dict(json.loads(config_file.read_text()),
+                                                                   norm_type="bogus")))
+    calls = {
+        "torchrun_main": lambda: train("--continue_from", checkpoint, "--save_dir", tmp_path / "out"),
+        "angular_analysis": lambda: tool_main("angular_analysis")(["--model_path", str(checkpoint)]),
+        "variance_analysis": lambda: tool_main("variance_analysis")(["--model_paths", str(checkpoint)]),
+        "layer_remove": lambda: tool_main("layer_remove")(["--model_path", str(checkpoint), "--layer_index", "0",
+                                                           "--save_path", str(tmp_path / "pruned")]),
+    }
+    for tool, call in calls.items():
+        with pytest.raises(SystemExit) as exit_info:
+            call()
+        assert exit_info.value.code == 2, tool
+        message = one_error_line(capsys.readouterr().err)
+        assert str(config_file) in message, (tool, message)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "pruned").exists()
+
+
+def test_every_input_is_validated_before_any_work(reference, tmp_path, monkeypatch, capsys):
+    from utils import finetune, variance_analysis
+    import layer_remove
+
+    model = str(reference / f"model_{STEPS}")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    for dataset in (tmp_path / "missing.json", empty):
+        output = tmp_path / f"sft_{dataset.stem}"
+        with pytest.raises(SystemExit) as exit_info:
+            finetune.run(["--model_path", model, "--dataset", str(dataset), "--output_dir", str(output),
+                          "--eval_tasks", "none"])
+        assert exit_info.value.code == 2
+        assert f"--dataset {str(dataset)!r}" in one_error_line(capsys.readouterr().err)
+        assert not output.exists()  # so the corrected rerun is not refused
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before the inputs were validated")
+
+    monkeypatch.setattr(layer_remove, "evaluate", no_work)
+    monkeypatch.setattr(layer_remove.model_io, "load_model_and_tokenizer", no_work)
+    with pytest.raises(SystemExit) as exit_info:
+        layer_remove.main(["--model_path", model, "--sweep", "--tasks", "heldout_novel_ppl", "--metric", "bogus",
+                           "--task_max_documents", "2", "--output_dir", str(tmp_path / "sweep")])
+    assert exit_info.value.code == 2 and "--metric" in one_error_line(capsys.readouterr().err)
+
+    monkeypatch.setattr(variance_analysis, "residual_statistics", no_work)
+    with pytest.raises(SystemExit) as exit_info:
+        variance_analysis.main(["--model_paths", model, str(tmp_path / "nope"), "--output_dir", str(tmp_path / "v")])
+    message = one_error_line(capsys.readouterr().err)
+    assert exit_info.value.code == 2 and "--model_paths" in message and str(tmp_path / "nope") in message
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 9. A failed save on rank 0 of two
+# --------------------------------------------------------------------------------------------------------------
+
+def test_save_failure_on_rank_0_reaches_every_rank(tmp_path):
+    """Two gloo ranks started the way torchrun starts them (env:// rendezvous), so each rank's exit code is seen."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = fault_env(tmp_path, FAULT_STAGE="enospc_rank0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=2,
+                    LOCAL_WORLD_SIZE=2, TORCH_NCCL_ASYNC_ERROR_HANDLING=1)
+    args = [*RUN, "--num_training_steps", "2", "--save_dir", str(tmp_path / "run")]
+    ranks = [subprocess.Popen([sys.executable, "torchrun_main.py", *args], cwd=REPO, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)))
+             for rank in range(2)]
+    outputs = []
+    try:
+        for proc in ranks:
+            outputs.append(proc.communicate(timeout=240))  # without the status broadcast, rank 1 waits ~30 min
+    finally:
+        for proc in ranks:
+            proc.kill()
+    assert [proc.returncode for proc in ranks] == [run_folder.EXIT_NO_SPACE] * 2, [err[-2000:] for _, err in outputs]
+    assert "no space left on device" in one_error_line(outputs[0][1])
+    assert "Traceback" not in outputs[1][1]  # rank 1 learnt the outcome from rank 0, it did not crash into it
