@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from peft_pretraining import args_utils, training_utils
+from peft_pretraining import args_utils, checkpointing, training_utils
 from peft_pretraining.dataloader import (
     build_train_stream,
     check_vocab_covers_tokenizer,
@@ -181,12 +181,8 @@ def train(args, rank: int, world_size: int, device) -> int:
         if resume_state["update_step"] >= args.num_training_steps:
             raise BadInput(f"--num_training_steps {args.num_training_steps}: the checkpoint is already at step "
                            f"{resume_state['update_step']}")
-        weights = training_utils.load_model_weights(args.continue_from)
-        try:
-            model.load_state_dict(weights, strict=True)
-        except RuntimeError as err:
-            raise training_utils.CheckpointError(
-                f"--continue_from {args.continue_from}: weights do not fit the model ({str(err).splitlines()[0]})")
+        if not resume_state.get("sharded"):  # a sharded checkpoint is read after wrapping, shard by shard
+            training_utils.load_model_weights(args.continue_from, model)
     if args.dtype == "bfloat16":
         model = model.to(dtype=torch.bfloat16)  # pure bf16 weights and optimizer state, as in the paper
     model = model.to(device)
@@ -214,8 +210,14 @@ def train(args, rank: int, world_size: int, device) -> int:
         train_model = torch.compile(train_model)  # the uncompiled `model` shares its weights: saving is unchanged
     optimizer = training_utils.build_optimizer(train_model.parameters(), args.optimizer, args.lr, args.weight_decay)
     update_step, tokens_seen = 0, 0
-    if resume_state is not None:
+    if resume_state is not None and resume_state.get("sharded"):
+        try:
+            checkpointing.load_sharded(args.continue_from, train_model, optimizer)
+        except checkpointing.ShardedLoadError as err:
+            raise training_utils.CheckpointError(str(err)) from err
+    elif resume_state is not None:
         training_utils.load_optimizer_state(train_model, optimizer, resume_state["optimizer"])
+    if resume_state is not None:
         update_step, tokens_seen = resume_state["update_step"], resume_state["tokens_seen"]
     # On resume the schedule continues at update_step with this command line's --lr/--warmup_steps/...
     # (pass the same flags for an exact resume; differences are printed below).
@@ -252,7 +254,12 @@ def train(args, rank: int, world_size: int, device) -> int:
                                        show_progress=is_main)
 
     def save(step: int) -> str:
-        model_state, optimizer_state = training_utils.full_state_dicts(train_model, optimizer)
+        sharded_dir = None
+        if args.fsdp:  # each rank writes its own shards; rank 0 gathers the model weights for the HF export
+            sharded_dir = checkpointing.save_sharded(run_dir, step, train_model, optimizer)
+            model_state, optimizer_state = checkpointing.full_model_state(train_model), None
+        else:
+            model_state, optimizer_state = training_utils.full_state_dicts(train_model, optimizer)
         rng_states = training_utils.gather_rank_objects(training_utils.capture_rng_state())
         data_states = training_utils.gather_rank_objects(stream.state_dict())
         # DDP replicas must be bit-identical; record every rank's checksum so a silent desync is visible.
@@ -267,8 +274,11 @@ def train(args, rank: int, world_size: int, device) -> int:
                 training_state={"update_step": step, "tokens_seen": tokens_seen, "world_size": world_size,
                                 "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
                                 "rng": rng_states, "data": data_states, "args": vars(args),
-                                "rank_param_checksums": checksums})
+                                "rank_param_checksums": checksums, "sharded": args.fsdp},
+                sharded_dir=sharded_dir)
             log(f"checkpoint: {path}")
+            for removed in checkpointing.prune_checkpoints(run_dir, step, args.keep_last):
+                log(f"removed {removed} (--keep_last {args.keep_last})")
         dist.barrier()
         return path
 
