@@ -253,6 +253,11 @@ def train(args, rank: int, world_size: int, device) -> int:
                                        eval_tokens=args.eval_tokens, autocast=autocast, lockstep=args.fsdp,
                                        show_progress=is_main)
 
+    export_model = model
+    if args.fsdp:  # fully_shard renamed the class FSDPLlamaForCausalLM: save_pretrained would record that (and copy
+        with torch.device("meta"):  # torch's FSDP sources) as the model code; a weightless plain copy writes the export
+            export_model = LlamaForCausalLM(config).to(next(model.parameters()).dtype)
+
     def save(step: int) -> str:
         sharded_dir = None
         if args.fsdp:  # each rank writes its own shards; rank 0 gathers the model weights for the HF export
@@ -270,7 +275,7 @@ def train(args, rank: int, world_size: int, device) -> int:
             if checksums is not None and len(set(checksums)) > 1:
                 log(f"WARNING: ranks' parameters differ at step {step}: checksums {checksums}")
             path = training_utils.save_checkpoint(
-                run_dir, step, hf_model=model, model_state=model_state, tokenizer=tokenizer,
+                run_dir, step, hf_model=export_model, model_state=model_state, tokenizer=tokenizer,
                 training_state={"update_step": step, "tokens_seen": tokens_seen, "world_size": world_size,
                                 "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
                                 "rng": rng_states, "data": data_states, "args": vars(args),
