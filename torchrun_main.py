@@ -171,7 +171,6 @@ def train(args, rank: int, world_size: int, device) -> int:
 
     # ---- model --------------------------------------------------------------------------------------------
     resume_state = None
-    model = LlamaForCausalLM(config)
     if args.continue_from is not None:
         check_checkpoint_matches(args, config, args.continue_from)
         resume_state = training_utils.load_training_state(args.continue_from)
@@ -181,11 +180,18 @@ def train(args, rank: int, world_size: int, device) -> int:
         if resume_state["update_step"] >= args.num_training_steps:
             raise BadInput(f"--num_training_steps {args.num_training_steps}: the checkpoint is already at step "
                            f"{resume_state['update_step']}")
-        if not resume_state.get("sharded"):  # a sharded checkpoint is read after wrapping, shard by shard
-            training_utils.load_model_weights(args.continue_from, model)
+    sharded = resume_state is not None and resume_state.get("sharded")
+    # FSDP2 resuming sharded state: no rank builds the full model; the weights are allocated shard by shard after
+    # wrapping and filled from the checkpoint's sharded/ folder.
+    meta_init = sharded and args.fsdp
+    with torch.device("meta") if meta_init else contextlib.nullcontext():
+        model = LlamaForCausalLM(config)
+    if resume_state is not None and not sharded:
+        training_utils.load_model_weights(args.continue_from, model)
     if args.dtype == "bfloat16":
         model = model.to(dtype=torch.bfloat16)  # pure bf16 weights and optimizer state, as in the paper
-    model = model.to(device)
+    if not meta_init:
+        model = model.to(device)
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable()
     n_params = sum(p.numel() for p in model.parameters())
@@ -206,11 +212,13 @@ def train(args, rank: int, world_size: int, device) -> int:
 
     run_dir = resolve_run_dir(args, rank)  # only now: bad input above leaves no empty run folder behind
     train_model = wrap_model(model, args, world_size, device)
+    if meta_init:
+        train_model.to_empty(device=device)  # this rank's shards only; load_sharded below fills them
     if args.compile:
         train_model = torch.compile(train_model)  # the uncompiled `model` shares its weights: saving is unchanged
     optimizer = training_utils.build_optimizer(train_model.parameters(), args.optimizer, args.lr, args.weight_decay)
     update_step, tokens_seen = 0, 0
-    if resume_state is not None and resume_state.get("sharded"):
+    if sharded:
         try:
             checkpointing.load_sharded(args.continue_from, train_model, optimizer)
         except checkpointing.ShardedLoadError as err:
