@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -63,10 +64,18 @@ def load_sharded(checkpoint: str, model, optimizer) -> None:
     directory = os.path.join(checkpoint, SHARDED_DIR)
     if not os.path.isfile(os.path.join(directory, ".metadata")):
         raise ShardedLoadError(f"--continue_from {checkpoint}: {SHARDED_DIR}/.metadata missing")
+    try:
+        metadata = dcp.FileSystemReader(directory).read_metadata()
+    except Exception as err:
+        raise ShardedLoadError(f"--continue_from {checkpoint}: corrupt {SHARDED_DIR}/.metadata ({err})") from err
+    needed = sorted({item.relative_path for item in metadata.storage_data.values()})
+    missing = [name for name in needed if not os.path.isfile(os.path.join(directory, name))]
+    if missing:
+        raise ShardedLoadError(f"--continue_from {checkpoint}: {SHARDED_DIR}/ lacks {', '.join(missing)}")
     state = _sharded_state(model, optimizer)
     try:
         dcp.load(state, checkpoint_id=directory)
-    except Exception as err:  # DCP wraps per-rank failures (missing shard file, shape mismatch) in its own type
+    except (Exception, CheckpointException) as err:  # DCP gathers per-rank failures into a BaseException subclass
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
         raise ShardedLoadError(f"--continue_from {checkpoint}: cannot read {SHARDED_DIR}/ ({first_line[:200]})") from err
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
