@@ -557,6 +557,10 @@ class TrainStream:
         self.batches_yielded = 0
         self._batches = None
         self._lane_progress = None
+        if self.lane_reader and self.effective_workers != num_workers:
+            logger.warning("%d DataLoader workers requested, %d used: each worker reads whole lanes and the %d lanes "
+                           "of rank %d must divide evenly among them", num_workers, self.effective_workers,
+                           source.num_lanes, source.rank)
 
     @property
     def effective_workers(self) -> int:
@@ -678,7 +682,8 @@ class TrainStream:
         self.close()
         if self.lane_reader:
             if "lanes" not in state:
-                raise ValueError("cannot resume the data stream: the checkpoint holds an embedded-corpus position")
+                raise ValueError("cannot resume the data stream: the checkpoint's position has no lanes (it was written "
+                                 "for the embedded corpus or by the reader before lanes)")
             self.position = {"lane": int(state["lane"]), "lanes": [dict(lane) for lane in state["lanes"]],
                              "epoch": int(state["epoch"]), "token_offset": int(state["token_offset"])}
         else:
