@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from peft_pretraining import args_utils, run_folder, training_utils
+from peft_pretraining import args_utils, checkpointing, run_folder, training_utils
 from peft_pretraining.dataloader import (
     build_train_stream,
     check_vocab_covers_tokenizer,
@@ -222,7 +222,6 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
 
     # ---- model --------------------------------------------------------------------------------------------
     resume_state = None
-    model = LlamaForCausalLM(config)
     if args.continue_from is not None:
         check_checkpoint_matches(args, config, args.continue_from)
         resume_state = training_utils.load_training_state(args.continue_from)
@@ -232,15 +231,18 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
         if resume_state["update_step"] >= args.num_training_steps:
             raise BadInput(f"--num_training_steps {args.num_training_steps}: the checkpoint is already at step "
                            f"{resume_state['update_step']}")
-        weights = training_utils.load_model_weights(args.continue_from)
-        try:
-            model.load_state_dict(weights, strict=True)
-        except RuntimeError as err:
-            raise training_utils.CheckpointError(
-                f"--continue_from {args.continue_from}: weights do not fit the model ({str(err).splitlines()[0]})")
+    sharded = resume_state is not None and resume_state.get("sharded")
+    # FSDP2 resuming sharded state: no rank builds the full model; the weights are allocated shard by shard after
+    # wrapping and filled from the checkpoint's sharded/ folder.
+    meta_init = sharded and args.fsdp
+    with torch.device("meta") if meta_init else contextlib.nullcontext():
+        model = LlamaForCausalLM(config)
+    if resume_state is not None and not sharded:
+        training_utils.load_model_weights(args.continue_from, model)
     if args.dtype == "bfloat16":
         model = model.to(dtype=torch.bfloat16)  # pure bf16 weights and optimizer state, as in the paper
-    model = model.to(device)
+    if not meta_init:
+        model = model.to(device)
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable()
     n_params = sum(p.numel() for p in model.parameters())
@@ -265,12 +267,20 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
     # Only now: bad input above leaves no empty run folder behind.
     run_dir = open_run_folder(args, rank, resume_state["update_step"] if resume_state else None, on_exit, log)
     train_model = wrap_model(model, args, world_size, device)
+    if meta_init:
+        train_model.to_empty(device=device)  # this rank's shards only; load_sharded below fills them
     if args.compile:
         train_model = torch.compile(train_model)  # the uncompiled `model` shares its weights: saving is unchanged
     optimizer = training_utils.build_optimizer(train_model.parameters(), args.optimizer, args.lr, args.weight_decay)
     update_step, tokens_seen = 0, 0
-    if resume_state is not None:
+    if sharded:
+        try:
+            checkpointing.load_sharded(args.continue_from, train_model, optimizer)
+        except checkpointing.ShardedLoadError as err:
+            raise training_utils.CheckpointError(str(err)) from err
+    elif resume_state is not None:
         training_utils.load_optimizer_state(train_model, optimizer, resume_state["optimizer"])
+    if resume_state is not None:
         update_step, tokens_seen = resume_state["update_step"], resume_state["tokens_seen"]
     # On resume the schedule continues at update_step with this command line's --lr/--warmup_steps/...
     # (pass the same flags for an exact resume; differences are printed below).
@@ -310,9 +320,19 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
                                        eval_tokens=args.eval_tokens, autocast=autocast, lockstep=args.fsdp,
                                        show_progress=is_main)
 
+    export_model = model
+    if args.fsdp:  # fully_shard renamed the class FSDPLlamaForCausalLM: save_pretrained would record that (and copy
+        with torch.device("meta"):  # torch's FSDP sources) as the model code; a weightless plain copy writes the export
+            export_model = LlamaForCausalLM(config).to(next(model.parameters()).dtype)
+
     def save(step: int) -> str:
         """Every rank calls this; rank 0 writes, then tells every rank whether it worked (no rank is left waiting)."""
-        model_state, optimizer_state = training_utils.full_state_dicts(train_model, optimizer)
+        sharded_dir = None
+        if args.fsdp:  # each rank writes its own shards; rank 0 gathers the model weights for the HF export
+            sharded_dir = checkpointing.save_sharded(run_dir, step, train_model, optimizer)
+            model_state, optimizer_state = checkpointing.full_model_state(train_model), None
+        else:
+            model_state, optimizer_state = training_utils.full_state_dicts(train_model, optimizer)
         rng_states = training_utils.gather_rank_objects(training_utils.capture_rng_state())
         data_states = training_utils.gather_rank_objects(stream.state_dict())
         # DDP replicas must be bit-identical; record every rank's checksum so a silent desync is visible.
@@ -325,13 +345,16 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
                 log(f"WARNING: ranks' parameters differ at step {step}: checksums {checksums}")
             try:
                 path = training_utils.save_checkpoint(
-                    run_dir, step, hf_model=model, model_state=model_state, tokenizer=tokenizer,
+                    run_dir, step, hf_model=export_model, model_state=model_state, tokenizer=tokenizer,
                     training_state={"update_step": step, "tokens_seen": tokens_seen, "world_size": world_size,
                                     "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
                                     "rng": rng_states, "data": data_states, "args": vars(args),
-                                    "rank_param_checksums": checksums})
+                                    "rank_param_checksums": checksums, "sharded": args.fsdp},
+                    sharded_dir=sharded_dir)
                 run_folder.fsync_dir(run_dir)  # the rename into model_<step> survives a power loss
                 log(f"checkpoint: {path}")
+                for removed in checkpointing.prune_checkpoints(run_dir, step, args.keep_last):
+                    log(f"removed {removed} (--keep_last {args.keep_last})")
             except Exception as err:
                 error = err
                 if run_folder.is_no_space(err, run_dir):

@@ -106,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--save_dir", type=str, default=None,
                      help="run folder: metrics.jsonl, results.json, loss_curve.png and model_<step>/ checkpoints "
                           "(default runs/<run_name>-<UTC time>; with --continue_from, the checkpoint's run folder)")
+    run.add_argument("--keep_last", type=int, default=None,
+                     help="after each successful save, delete all but the newest N checkpoints (default: keep all)")
     run.add_argument("--continue_from", type=str, default=None,
                      help="checkpoint folder (model_<step>) or a run folder (its latest checkpoint) to resume")
     run.add_argument("--run_name", type=str, default=None)
@@ -249,6 +251,8 @@ def check_args(args, parser, world_size: int):
     for flag in ("gradient_accumulation", "total_batch_size", "eval_batch_size"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             parser.error(f"--{flag} must be positive, got {getattr(args, flag)}")
+    if args.keep_last is not None and args.keep_last < 1:
+        parser.error(f"--keep_last must be >= 1 (the newest checkpoint is always kept), got {args.keep_last}")
     if args.workers < 0:
         parser.error(f"--workers must be >= 0, got {args.workers}")
     if args.lr <= 0:

@@ -4,15 +4,18 @@ Training data comes out of `build_train_stream(...)` as an endless, deterministi
 of micro-batches; evaluation data comes out of `iter_eval_batches(...)` with an exact target-token budget.
 
 Stream order (the same for any num_workers):
-  * a *document source* lists this rank's documents for epoch e (embedded corpus: a permutation of all documents
-    seeded by (seed, e), rank r takes positions r, r + W, r + 2W, ... of it, so the union over ranks is exactly the
-    single-process order; streaming datasets: `shuffle(seed, buffer)` + `set_epoch(e)` + `split_dataset_by_node`);
-  * documents are grouped into chunks of `CHUNK_DOCUMENTS`; DataLoader worker w tokenizes chunks w, w + N, ...,
-    and the DataLoader hands chunks back round-robin, i.e. in their original order;
+  * embedded corpus: epoch e is a permutation of all documents seeded by (seed, e); rank r takes positions r, r + W,
+    r + 2W, ... of it, so the union over ranks is exactly the single-process order. Documents are grouped into
+    chunks of `CHUNK_DOCUMENTS`; DataLoader worker w tokenizes chunks w, w + N, ... (every worker walks the
+    in-memory list) and the DataLoader hands chunks back round-robin, i.e. in their original order;
+  * streaming datasets (local files, C4): split by rank first (whole shards when they divide evenly), then this
+    rank's shards are dealt to up to MAX_LANES lanes that each shuffle and loop over their own shards
+    (`StreamingSource`); the stream takes CHUNK_DOCUMENTS documents from each lane in turn. A DataLoader worker
+    owns whole lanes, so every document is read once;
   * the main process turns tokens into rows: padding (one document per row, truncated, right-padded) or packing
     (documents joined with EOS and cut into full windows).
-The stream position is (epoch, document index in this rank's epoch, token offset inside that document); resuming
-rebuilds the source at that position, so the next batch is exactly the one that would have come next.
+The stream position (`TrainStream.state_dict()`) says where every lane is, so resuming rebuilds the readers there and
+the next batch is exactly the one that would have come next.
 
 CLI: `python -m peft_pretraining.dataloader build-embedded --source /path/to/austen` rebuilds data/embedded/* and
 data/tokenizer/ from the raw novels.
@@ -53,7 +56,9 @@ MIN_DOCUMENT_CHARS = 700  # paragraphs of a chapter are grouped until a document
 HUB_DEFAULT_CONFIGS = {"allenai/c4": "en", "c4": "en"}
 LOCAL_EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json"}
 LOCAL_VALIDATION_EVERY = 20  # without a "val" file, documents whose crc32(text) % 20 == 0 are the validation split
-SHUFFLE_BUFFER = 10_000
+SHUFFLE_BLOCK = 2_048  # documents of one shard permuted together (streaming sources)
+MAX_LANES = 8  # shard readers per rank (streaming sources): the most DataLoader workers that can share them
+READ_BATCH = 256  # documents per `datasets` read; shuffle blocks are whole read batches
 CHUNK_DOCUMENTS = 32
 IGNORE_INDEX = -100
 
@@ -229,29 +234,87 @@ class EmbeddedSource:
 
 
 class StreamingSource:
-    """A `datasets` streaming split (local files or hub); documents are read, never fully pre-tokenized."""
+    """A `datasets` streaming split (local files or hub), read shard by shard; never fully pre-tokenized.
 
-    def __init__(self, dataset, *, seed: int, rank: int, world_size: int, shuffle: bool = True,
-                 buffer_size: int = SHUFFLE_BUFFER, text_field: str = "text"):
+    Split by rank first: whole shards when num_shards % world_size == 0 (rank r gets shards r, r + W, ..., the
+    assignment `split_dataset_by_node` makes), else every W-th document of every shard. This rank's shards are then
+    dealt to `num_lanes` = min(shards, MAX_LANES) lanes (shard k of the rank to lane k % num_lanes). A lane loops
+    over its shards forever; in lane epoch e it visits them in an order seeded by (seed, rank, lane, e) and permutes
+    each block of about `block_size` consecutive documents of a shard with a generator seeded by the block's
+    coordinates, so a lane position is a few integers plus the `datasets` state at the block's start.
+    Evaluation reads the rank's share in file order (`iter_epoch`).
+    """
+
+    def __init__(self, dataset, *, seed: int, rank: int, world_size: int, block_size: int = SHUFFLE_BLOCK,
+                 text_field: str = "text"):
+        if block_size < 1:
+            raise ValueError(f"shuffle block size must be >= 1, got {block_size}")
         self.dataset, self.seed, self.rank, self.world_size = dataset, seed, rank, world_size
-        self.shuffle, self.buffer_size, self.text_field = shuffle, buffer_size, text_field
+        self.block_size, self.text_field = block_size, text_field
+        total = dataset.num_shards
+        self.whole_shards = total % world_size == 0
+        self.shard_ids = list(range(rank, total, world_size)) if self.whole_shards else list(range(total))
+        self.num_lanes = min(len(self.shard_ids), MAX_LANES)
 
-    def iter_epoch(self, epoch: int, start: int = 0) -> Iterator[str]:
+    def iter_epoch(self, epoch: int = 0, start: int = 0) -> Iterator[str]:
+        """This rank's documents in file order (evaluation)."""
         from datasets.distributed import split_dataset_by_node
 
         dataset = self.dataset
-        if self.shuffle:
-            dataset = dataset.shuffle(seed=self.seed, buffer_size=self.buffer_size)
-            dataset.set_epoch(epoch)  # reshuffles shards and buffer with seed + epoch
         if self.world_size > 1:
             dataset = split_dataset_by_node(dataset, rank=self.rank, world_size=self.world_size)
-        # .iter() (unlike __iter__) does not re-shard by DataLoader worker: every worker must see the same order.
-        position = 0
-        for batch in dataset.iter(batch_size=256):
-            for text in batch[self.text_field]:
-                if position >= start:
-                    yield text
-                position += 1
+        # .iter() (unlike __iter__) does not re-shard by DataLoader worker.
+        for position, text in enumerate(t for batch in dataset.iter(batch_size=READ_BATCH)
+                                        for t in batch[self.text_field]):
+            if position >= start:
+                yield text
+
+    def _open_shard(self, shard_id: int):
+        from datasets.distributed import split_dataset_by_node
+
+        shard = self.dataset.shard(num_shards=self.dataset.num_shards, index=shard_id)
+        if not self.whole_shards:
+            shard = split_dataset_by_node(shard, rank=self.rank, world_size=self.world_size)
+        return shard
+
+    def lane_documents(self, lane: int, state: dict | None = None) -> Iterator[tuple[dict, str]]:
+        """Endless (state, text) pairs of one lane; passing a yielded `state` back resumes at that document.
+
+        The state is {"epoch", "shard" (index in the epoch's shard order), "block" (in that shard), "start"
+        (`IterableDataset.state_dict()` at the block's first document, None at the shard's start), "taken"}.
+        Resuming re-reads the shard up to the block start (datasets skips it at the Arrow level) and the block.
+        """
+        shards = self.shard_ids[lane:: self.num_lanes]
+        state = state or {"epoch": 0, "shard": 0, "block": 0, "start": None, "taken": 0}
+        epoch, shard_index, block, start, taken = (state[k] for k in ("epoch", "shard", "block", "start", "taken"))
+        while True:
+            order = np.random.default_rng([self.seed, self.rank, lane, epoch]).permutation(len(shards))
+            found = shard_index > 0 or block > 0
+            while shard_index < len(shards):
+                dataset = self._open_shard(shards[order[shard_index]])
+                if start is not None:
+                    dataset.load_state_dict(start)
+                batches = dataset.iter(batch_size=READ_BATCH)
+                while True:
+                    texts = []
+                    for batch in batches:  # whole read batches, so that a block starts where state_dict() points
+                        texts.extend(batch[self.text_field])
+                        if len(texts) >= self.block_size:
+                            break
+                    if not texts:
+                        break
+                    found = True
+                    permutation = np.random.default_rng(
+                        [self.seed, self.rank, lane, epoch, shard_index, block]).permutation(len(texts))
+                    for i in range(taken, len(texts)):
+                        yield ({"epoch": epoch, "shard": shard_index, "block": block, "start": start, "taken": i},
+                               texts[permutation[i]])
+                    start, block, taken = dataset.state_dict(), block + 1, 0
+                shard_index, block, start = shard_index + 1, 0, None
+            if not found:
+                raise ValueError(f"rank {self.rank} of world_size {self.world_size} has no documents in lane {lane} "
+                                 "of its shard of the training split")
+            epoch, shard_index = epoch + 1, 0
 
 
 def _local_kind(path: pathlib.Path) -> str | None:
@@ -339,18 +402,18 @@ def _open_hub_split(dataset: str, config: str | None, split: str):
 
 
 def _make_source(*, dataset: str, dataset_path: str | None, split: str, seed: int, rank: int, world_size: int,
-                 shuffle: bool, dataset_config: str | None = None, buffer_size: int = SHUFFLE_BUFFER):
+                 shuffle: bool, dataset_config: str | None = None, block_size: int = SHUFFLE_BLOCK):
+    """Training (shuffle=True) or evaluation (file order) documents of one rank."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"invalid rank {rank} for world_size {world_size}")
-    if dataset_path is not None:
-        stream = _open_local_split(dataset_path, split)
-        return StreamingSource(stream, seed=seed, rank=rank, world_size=world_size, shuffle=shuffle,
-                               buffer_size=buffer_size)
-    if dataset == EMBEDDED:
+    if dataset == EMBEDDED and dataset_path is None:
         texts = read_jsonl_texts(embedded_split_path(split))
         return EmbeddedSource(texts, seed=seed, rank=rank, world_size=world_size, shuffle=shuffle)
-    stream = _open_hub_split(dataset, dataset_config, split)
-    return StreamingSource(stream, seed=seed, rank=rank, world_size=world_size, shuffle=shuffle, buffer_size=buffer_size)
+    if dataset_path is not None:
+        stream = _open_local_split(dataset_path, split)
+    else:
+        stream = _open_hub_split(dataset, dataset_config, split)
+    return StreamingSource(stream, seed=seed, rank=rank, world_size=world_size, block_size=block_size)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -402,6 +465,46 @@ class _TokenizedChunks(torch.utils.data.IterableDataset):
             yield epoch, first, _tokenize_documents(self.tokenizer, texts, self.max_length, self.packing)
 
 
+class _LaneChunks(torch.utils.data.IterableDataset):
+    """Endless (lane, lane state, documents to drop from it, token arrays) pieces of a streaming source.
+
+    Piece k comes from lane (first_lane + k) % L and holds CHUNK_DOCUMENTS documents (the first piece of each lane
+    after a resume finishes the chunk that was in progress). Worker w of N (N divides L) reads the lanes at
+    positions w, w + N, ... of that rotation, so every lane is read by exactly one process, and the DataLoader's
+    round-robin over workers returns the pieces in stream order whatever N is.
+    """
+
+    def __init__(self, source, tokenizer, *, max_length: int, packing: bool, first_lane: int, lanes: list):
+        self.source, self.tokenizer, self.max_length, self.packing = source, tokenizer, max_length, packing
+        self.first_lane, self.lanes = first_lane, lanes
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        count = self.source.num_lanes
+        mine = [(self.first_lane + worker + num_workers * i) % count for i in range(count // num_workers)]
+        pieces = [self._pieces(lane) for lane in mine]
+        while True:
+            for lane_pieces in pieces:
+                yield next(lane_pieces)
+
+    def _pieces(self, lane: int):
+        state, skip = self.lanes[lane]["at"], self.lanes[lane]["skip"]
+        documents = self.source.lane_documents(lane, state)
+        for _ in range(skip):
+            next(documents)
+        pairs = [next(documents) for _ in range(CHUNK_DOCUMENTS - skip % CHUNK_DOCUMENTS)]
+        yield lane, state, skip, self._tokenize(pairs)
+        while True:
+            pairs = [next(documents) for _ in range(CHUNK_DOCUMENTS)]
+            yield lane, pairs[0][0], 0, self._tokenize(pairs)
+
+    def _tokenize(self, pairs):
+        """Token arrays, each with its document's lane epoch."""
+        arrays = _tokenize_documents(self.tokenizer, [text for _, text in pairs], self.max_length, self.packing)
+        return [(tokens, state["epoch"]) for tokens, (state, _) in zip(arrays, pairs)]
+
+
 def _keep_as_is(item):
     return item
 
@@ -424,7 +527,13 @@ def _rows_to_batch(rows: list[np.ndarray], max_length: int, pad_id: int) -> dict
 
 
 class TrainStream:
-    """Endless micro-batches for one rank; `state_dict()` / `load_state_dict()` resume exactly."""
+    """Endless micro-batches for one rank; `state_dict()` / `load_state_dict()` resume exactly.
+
+    Position: embedded corpus {"epoch", "document", "token_offset"}; streaming sources {"lane" (the lane the next
+    document comes from), "lanes" (per lane: "at", a lane state, and "skip", documents already used after it),
+    "epoch" (the lane epoch of the last document read, for information), "token_offset"}. token_offset counts the tokens of the next
+    document that were already used (packing).
+    """
 
     def __init__(self, source, tokenizer, *, max_length: int, packing: bool, batch_size: int, num_workers: int = 0,
                  description: dict | None = None):
@@ -438,9 +547,27 @@ class TrainStream:
         self.source, self.tokenizer = source, tokenizer
         self.max_length, self.packing, self.batch_size, self.num_workers = max_length, packing, batch_size, num_workers
         self.description = dict(description or {})
-        self.position = {"epoch": 0, "document": 0, "token_offset": 0}
+        self.lane_reader = isinstance(source, StreamingSource)
+        if self.lane_reader:
+            self.description["num_lanes"] = source.num_lanes
+            self.position = {"lane": 0, "lanes": [{"at": None, "skip": 0} for _ in range(source.num_lanes)],
+                             "epoch": 0, "token_offset": 0}
+        else:
+            self.position = {"epoch": 0, "document": 0, "token_offset": 0}
         self.batches_yielded = 0
         self._batches = None
+        self._lane_progress = None
+        if self.lane_reader and self.effective_workers != num_workers:
+            logger.warning("%d DataLoader workers requested, %d used: each worker reads whole lanes and the %d lanes "
+                           "of rank %d must divide evenly among them", num_workers, self.effective_workers,
+                           source.num_lanes, source.rank)
+
+    @property
+    def effective_workers(self) -> int:
+        """Streaming sources: the largest divisor of the lane count <= num_workers (each worker owns whole lanes)."""
+        if not self.lane_reader:
+            return self.num_workers
+        return max((n for n in range(1, self.num_workers + 1) if self.source.num_lanes % n == 0), default=0)
 
     # --- iteration -------------------------------------------------------------------------------------------
     def __iter__(self):
@@ -454,47 +581,85 @@ class TrainStream:
         self.batches_yielded += 1
         return batch
 
+    def _loader(self, chunks):
+        if self.effective_workers == 0:
+            return chunks
+        return torch.utils.data.DataLoader(chunks, batch_size=None, num_workers=self.effective_workers,
+                                           collate_fn=_keep_as_is)
+
     def _documents(self):
-        """(epoch, index, tokens) from the current position, tokenized in the main process or in workers."""
+        """(tokens, cursor) from the current position; `cursor` locates the document for _position_*."""
+        if self.lane_reader:
+            yield from self._lane_documents()
+            return
         chunks = _TokenizedChunks(self.source, self.tokenizer, max_length=self.max_length, packing=self.packing,
                                   epoch=self.position["epoch"], document=self.position["document"])
-        if self.num_workers > 0:
-            chunks = torch.utils.data.DataLoader(chunks, batch_size=None, num_workers=self.num_workers,
-                                                 collate_fn=_keep_as_is)
-        for epoch, first, arrays in chunks:
+        for epoch, first, arrays in self._loader(chunks):
             for offset, tokens in enumerate(arrays):
-                yield epoch, first + offset, tokens
+                yield tokens, (epoch, first + offset)
+
+    def _lane_documents(self):
+        lanes = [dict(lane) for lane in self.position["lanes"]]
+        self._lane_progress = lanes  # per lane: the piece being read and how many of its documents were taken
+        chunks = _LaneChunks(self.source, self.tokenizer, max_length=self.max_length, packing=self.packing,
+                             first_lane=self.position["lane"], lanes=[dict(lane) for lane in lanes])
+        for lane, at, skip, arrays in self._loader(chunks):
+            lanes[lane] = {"at": at, "skip": skip}
+            for index, (tokens, epoch) in enumerate(arrays):
+                lanes[lane]["skip"] = skip + index + 1
+                yield tokens, (lane, index == len(arrays) - 1, epoch)
+
+    def _position_after(self, cursor) -> dict:
+        """The position just after the document at `cursor` (the most recently read one)."""
+        if not self.lane_reader:
+            epoch, index = cursor
+            return {"epoch": epoch, "document": index + 1, "token_offset": 0}
+        lane, last_of_piece, epoch = cursor
+        lanes = [dict(entry) for entry in self._lane_progress]
+        next_lane = (lane + 1) % len(lanes) if last_of_piece else lane
+        return {"lane": next_lane, "lanes": lanes, "epoch": epoch, "token_offset": 0}
+
+    def _position_at(self, cursor, token_offset: int) -> dict:
+        """The position inside the document at `cursor`, token_offset tokens in."""
+        if not self.lane_reader:
+            epoch, index = cursor
+            return {"epoch": epoch, "document": index, "token_offset": token_offset}
+        position = self._position_after(cursor)
+        lane = cursor[0]
+        position["lane"] = lane
+        position["lanes"][lane]["skip"] -= 1
+        position["token_offset"] = token_offset
+        return position
 
     def _generate(self):
         T, B = self.max_length, self.batch_size
         documents = self._documents()
         if not self.packing:
             while True:
-                rows, position = [], None
-                for epoch, index, tokens in documents:
+                rows, cursor = [], None
+                for tokens, cursor in documents:
                     rows.append(tokens)
-                    position = {"epoch": epoch, "document": index + 1, "token_offset": 0}
                     if len(rows) == B:
                         break
-                yield _rows_to_batch(rows, T, self.tokenizer.pad_token_id), position
+                yield _rows_to_batch(rows, T, self.tokenizer.pad_token_id), self._position_after(cursor)
         skip = self.position["token_offset"]  # tokens of the first document already used before a resume
         buffer = np.empty(B * T, dtype=np.int64)
-        current = None  # (epoch, index, tokens, next offset)
+        current = None  # (tokens, cursor, next offset)
         while True:
             filled = 0
             while filled < B * T:
-                if current is None or current[3] == len(current[2]):
-                    epoch, index, tokens = next(documents)
-                    current = (epoch, index, tokens, skip)
+                if current is None or current[2] == len(current[0]):
+                    tokens, cursor = next(documents)
+                    current = (tokens, cursor, skip)
                     skip = 0
-                epoch, index, tokens, offset = current
+                tokens, cursor, offset = current
                 take = min(B * T - filled, len(tokens) - offset)
                 buffer[filled: filled + take] = tokens[offset: offset + take]
                 filled += take
-                current = (epoch, index, tokens, offset + take)
-            epoch, index, tokens, offset = current
-            position = ({"epoch": epoch, "document": index + 1, "token_offset": 0} if offset == len(tokens)
-                        else {"epoch": epoch, "document": index, "token_offset": offset})
+                current = (tokens, cursor, offset + take)
+            tokens, cursor, offset = current
+            position = (self._position_after(cursor) if offset == len(tokens)
+                        else self._position_at(cursor, offset))
             input_ids = torch.from_numpy(buffer.reshape(B, T).copy())
             yield {"input_ids": input_ids, "labels": input_ids.clone(),
                    "attention_mask": torch.ones_like(input_ids)}, position
@@ -515,15 +680,22 @@ class TrainStream:
                 raise ValueError(f"cannot resume the data stream: it was saved with {key}={state[key]!r}, "
                                  f"now {key}={value!r}")
         self.close()
-        self.position = {key: int(state[key]) for key in ("epoch", "document", "token_offset")}
+        if self.lane_reader:
+            if "lanes" not in state:
+                raise ValueError("cannot resume the data stream: the checkpoint's position has no lanes (it was written "
+                                 "for the embedded corpus or by the reader before lanes)")
+            self.position = {"lane": int(state["lane"]), "lanes": [dict(lane) for lane in state["lanes"]],
+                             "epoch": int(state["epoch"]), "token_offset": int(state["token_offset"])}
+        else:
+            self.position = {key: int(state[key]) for key in ("epoch", "document", "token_offset")}
         self.batches_yielded = int(state.get("batches_yielded", 0))
 
 
 def build_train_stream(*, dataset: str, dataset_path: str | None, tokenizer, max_length: int, packing: bool,
                        batch_size: int, seed: int, rank: int, world_size: int, num_workers: int = 0,
-                       dataset_config: str | None = None, shuffle_buffer: int = SHUFFLE_BUFFER) -> TrainStream:
+                       dataset_config: str | None = None, shuffle_block: int = SHUFFLE_BLOCK) -> TrainStream:
     source = _make_source(dataset=dataset, dataset_path=dataset_path, split="train", seed=seed, rank=rank,
-                          world_size=world_size, shuffle=True, dataset_config=dataset_config, buffer_size=shuffle_buffer)
+                          world_size=world_size, shuffle=True, dataset_config=dataset_config, block_size=shuffle_block)
     description = {"dataset": dataset if dataset_path is None else f"path:{dataset_path}", "seed": seed, "rank": rank,
                    "world_size": world_size, "max_length": max_length, "packing": packing}
     return TrainStream(source, tokenizer, max_length=max_length, packing=packing, batch_size=batch_size,

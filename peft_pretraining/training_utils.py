@@ -18,7 +18,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -29,6 +28,7 @@ from tqdm import tqdm
 
 from peft_pretraining import run_folder
 from peft_pretraining.args_utils import CHECKPOINT_PREFIX, TRAINING_STATE_FILE
+from peft_pretraining.checkpointing import SHARDED_DIR, copy_safetensors_into
 
 CHECKPOINT_FORMAT = 1
 EXIT_DIVERGED = 3
@@ -316,17 +316,21 @@ def _fsync_tree(directory: str):
         os.close(fd)
 
 
-def save_checkpoint(run_dir: str, step: int, *, hf_model, model_state: dict, tokenizer, training_state: dict) -> str:
+def save_checkpoint(run_dir: str, step: int, *, hf_model, model_state: dict, tokenizer, training_state: dict,
+                    sharded_dir: str | None = None) -> str:
     """Write model_<step>/ atomically (rank 0 only): build it under a temporary name, then rename into place.
 
     A kill at any point leaves either the old folder or the new one, never a half-written checkpoint under the
-    final name; the previous checkpoints are not touched.
+    final name; the previous checkpoints are not touched. `sharded_dir` (FSDP2: the ranks' DCP files, already
+    written) is moved in as model_<step>/sharded.
     """
     final = checkpoint_dir(run_dir, step)
     tmp = os.path.join(run_dir, f".{CHECKPOINT_PREFIX}{step}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     hf_model.save_pretrained(tmp, state_dict=model_state)  # safetensors + config.json (+ modeling code)
     tokenizer.save_pretrained(tmp)
+    if sharded_dir is not None:
+        os.rename(sharded_dir, os.path.join(tmp, SHARDED_DIR))
     torch.save(dict(training_state, format=CHECKPOINT_FORMAT), os.path.join(tmp, TRAINING_STATE_FILE))
     summary = {k: training_state.get(k) for k in ("update_step", "tokens_seen", "world_size", "rank_param_checksums")}
     summary["saved_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -349,24 +353,24 @@ def _short(err: Exception) -> str:
     return f"{err.__class__.__name__}: {first_line[:160]}"
 
 
-def load_model_weights(checkpoint: str) -> dict:
-    files = sorted(glob.glob(os.path.join(checkpoint, "*.safetensors")))
-    if not files:
+def load_model_weights(checkpoint: str, model) -> None:
+    """Copy the safetensors weights into `model` from memory-mapped files (no second full copy in RAM)."""
+    if not glob.glob(os.path.join(checkpoint, "*.safetensors")):
         raise CheckpointError(f"--continue_from {checkpoint}: no *.safetensors weights")
-    state = {}
-    for path in files:
-        try:
-            state.update(load_file(path))
-        except Exception as err:  # safetensors raises its own error types for truncated/garbled files
-            raise CheckpointError(f"--continue_from {checkpoint}: corrupt weights {os.path.basename(path)} "
-                                  f"({_short(err)})") from err
-    return state
+    try:
+        missing = copy_safetensors_into(model, checkpoint)
+    except (KeyError, ValueError) as err:
+        raise CheckpointError(f"--continue_from {checkpoint}: weights do not fit the model ({_short(err)})") from err
+    except Exception as err:  # safetensors raises its own error types for truncated/garbled files
+        raise CheckpointError(f"--continue_from {checkpoint}: corrupt weights ({_short(err)})") from err
+    if missing:
+        raise CheckpointError(f"--continue_from {checkpoint}: weights do not fit the model (missing {missing[:3]})")
 
 
 def load_training_state(checkpoint: str) -> dict:
     path = os.path.join(checkpoint, TRAINING_STATE_FILE)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # the optimizer state stays on disk
     except FileNotFoundError as err:
         raise CheckpointError(f"--continue_from {checkpoint}: {TRAINING_STATE_FILE} missing") from err
     except Exception as err:  # truncated zip, garbage bytes, unpickling error

@@ -209,6 +209,78 @@ def test_epochs_are_reshuffled(tmp_path, tokenizer):
     assert as_set(epoch0) == as_set(epoch1)  # same documents, new order
 
 
+def test_epochs_are_reshuffled_on_every_rank_of_two(tmp_path, tokenizer):
+    # Two files, two ranks: each rank reads one whole file; its second epoch must come in a new order.
+    write_jsonl(tmp_path / "corpus" / "part-0.jsonl", sentences(16, "first"))
+    write_jsonl(tmp_path / "corpus" / "part-1.jsonl", sentences(16, "second"))
+    write_jsonl(tmp_path / "corpus" / "validation.jsonl", sentences(4, "val"))  # no held-out slice of train
+    as_set = lambda t: sorted(map(tuple, t.tolist()))  # noqa: E731
+    seen = []
+    for rank in (0, 1):
+        batches = take(stream(tokenizer, dataset="local", dataset_path=str(tmp_path / "corpus"), batch_size=16,
+                              rank=rank, world_size=2), 2)
+        epoch0, epoch1 = (b["input_ids"] for b in batches)
+        assert as_set(epoch0) == as_set(epoch1)  # one epoch per batch: the same documents ...
+        assert not torch.equal(epoch0, epoch1), f"rank {rank} replays epoch 0 in epoch 1"  # ... in a new order
+        seen.append(as_set(epoch0))
+    assert not set(seen[0]) & set(seen[1])  # the ranks' shares are disjoint
+
+
+def write_shards(folder, shards, documents_per_shard):
+    for shard in range(shards):
+        texts = sentences(documents_per_shard, f"shard{shard}")
+        with gzip.open(folder / f"train-{shard:05d}.jsonl.gz", "wt", encoding="utf-8") as f:
+            f.write("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    write_jsonl(folder / "validation.jsonl", sentences(4, "val"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def sixteen_shards(tmp_path_factory):
+    return write_shards(tmp_path_factory.mktemp("shards"), 16, 20)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_lanes_do_not_depend_on_workers_and_resume_exactly(sixteen_shards, tokenizer, packing):
+    kwargs = dict(dataset="local", dataset_path=str(sixteen_shards), packing=packing, batch_size=5, max_length=32,
+                  seed=3, rank=1, world_size=2)
+    inline = take(stream(tokenizer, num_workers=0, **kwargs), 40)
+    assert_same_batches(inline, take(stream(tokenizer, num_workers=4, **kwargs), 40))
+    first = stream(tokenizer, num_workers=2, **kwargs)
+    take(first, 27)  # 135 documents or more: inside a lane's chunk, several lanes already started
+    state = json.loads(json.dumps(first.state_dict()))
+    assert state["num_lanes"] == 8 and len(state["lanes"]) == 8  # 8 shards per rank, one per lane
+    resumed = stream(tokenizer, num_workers=4, **kwargs)
+    resumed.load_state_dict(state)
+    assert_same_batches(take(resumed, 13), inline[27:])
+
+
+READS = None  # a counter shared with DataLoader workers (fork)
+
+
+def _count_read(example):
+    with READS.get_lock():
+        READS.value += 1
+    return example
+
+
+def test_each_document_is_read_once_with_workers(sixteen_shards, tokenizer):
+    """Documents read from the files per document used: ~1 (workers own lanes), not ~num_workers."""
+    import multiprocessing
+
+    import datasets
+
+    global READS
+    READS = multiprocessing.Value("l", 0)
+    files = sorted(str(p) for p in sixteen_shards.glob("train-*.jsonl.gz"))
+    dataset = datasets.load_dataset("json", data_files=files, split="train", streaming=True).map(_count_read)
+    source = data.StreamingSource(dataset, seed=0, rank=0, world_size=1)
+    train_stream = data.TrainStream(source, tokenizer, max_length=32, packing=False, batch_size=32, num_workers=4)
+    used = sum(len(batch["input_ids"]) for batch in take(train_stream, 64))
+    assert used == 2048
+    assert 1.0 <= READS.value / used < 1.25, READS.value
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Evaluation budget
 # ---------------------------------------------------------------------------------------------------------------
@@ -271,7 +343,7 @@ def test_local_txt_without_validation_holds_out_a_slice(tmp_path, tokenizer):
             dataset="local", dataset_path=path, tokenizer=tokenizer, max_length=512, packing=False, batch_size=80,
             eval_tokens=10 ** 6, rank=0, world_size=1))
     train_stream = stream(tokenizer, dataset="local", dataset_path=path, max_length=512, batch_size=1)
-    train = decoded_documents(tokenizer, take(train_stream, 80))
+    train = decoded_documents(tokenizer, take(train_stream, 128))  # two lanes (files), 32 documents at a time
     val, train = {t.strip() for t in val}, {t.strip() for t in train}  # the last paragraph keeps its newline
     assert val and train and not val & train
     assert val | train == set(texts)  # paragraphs are the documents of a .txt file

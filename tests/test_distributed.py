@@ -73,7 +73,20 @@ def test_fsdp2_two_ranks_match_one_process_and_resume_exactly(single_process_run
     assert sharded.keys() == single.keys()
     assert all(torch.allclose(sharded[k], single[k], atol=1e-3) for k in single)
 
+    # Each rank wrote its own shard of model + optimizer state; training_state.pt holds no optimizer state.
+    halfway = run_dir / f"model_{STEPS // 2}"
+    assert sorted(p.name for p in (halfway / "sharded").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert torch.load(halfway / "training_state.pt", weights_only=True)["optimizer"] is None
+    assert not list(run_dir.glob(".model_*"))  # no staging folders left behind
+    # The HF export names our model class, not the FSDP wrapper class (whose torch sources were copied in before).
+    assert json.loads((halfway / "config.json").read_text())["auto_map"] == {
+        "AutoModelForCausalLM": "modeling_llama.LlamaForCausalLM"}
+    assert not list(halfway.glob("_fsdp*"))
+
     resumed = tmp_path / "fsdp_resumed"
     launch(torchrun(2), [*COMMON, "--batch_size", "4", "--fsdp", "--save_dir", str(resumed),
-                         "--continue_from", str(run_dir / f"model_{STEPS // 2}")])
+                         "--continue_from", str(halfway)])
     assert losses(resumed) == losses(run_dir)[STEPS // 2:]
+    uninterrupted = load_file(run_dir / f"model_{STEPS}" / "model.safetensors")
+    after_resume = load_file(resumed / f"model_{STEPS}" / "model.safetensors")
+    assert all(torch.equal(uninterrupted[k], after_resume[k]) for k in uninterrupted)  # bit-exact on CPU

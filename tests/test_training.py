@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from peft_pretraining import args_utils
+from peft_pretraining.checkpointing import prune_checkpoints
 from peft_pretraining.dataloader import build_train_stream, count_target_tokens, iter_eval_batches, load_tokenizer
 from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config
 from peft_pretraining.training_utils import EXIT_DIVERGED, build_scheduler, evaluate, lr_factor
@@ -132,6 +133,35 @@ def test_resume_is_bit_exact(shared_run, tmp_path):
     assert all(torch.equal(uninterrupted[k], after_resume[k]) for k in uninterrupted)
 
 
+def fake_checkpoint(run_dir: Path, step: int, complete: bool = True) -> Path:
+    folder = run_dir / f"model_{step}"
+    folder.mkdir(parents=True)
+    if complete:
+        (folder / "training_state.pt").write_bytes(b"state")
+    return folder
+
+
+def test_keep_last_prunes_only_older_complete_checkpoints(tmp_path):
+    for step in (2, 4, 6, 12):
+        fake_checkpoint(tmp_path, step)
+    fake_checkpoint(tmp_path, 5, complete=False)  # an unfinished folder is not a checkpoint: left alone
+    assert prune_checkpoints(str(tmp_path), 6, None) == []  # the default keeps everything
+    assert prune_checkpoints(str(tmp_path), 7, 1) == []  # model_7 was not written: nothing is removed
+    removed = prune_checkpoints(str(tmp_path), 6, 2)
+    assert removed == [str(tmp_path / "model_2")]
+    # model_12 is from a trajectory this run replaced by resuming earlier: neither counted nor removed.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model_12", "model_4", "model_5", "model_6"]
+    assert prune_checkpoints(str(tmp_path), 6, 1) == [str(tmp_path / "model_4")]
+
+
+def test_keep_last_in_a_run(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_main([*TINY, "--num_training_steps", "3", "--warmup_steps", "0", "--save_every", "1",
+                     "--eval_every", "100", "--eval_tokens", "200", "--keep_last", "2", "--save_dir", str(run_dir)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in run_dir.glob("model_*")) == ["model_2", "model_3"]
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Divergence
 # --------------------------------------------------------------------------------------------------------------
@@ -244,6 +274,7 @@ BASE = ["--model_config", "configs/llama_tiny.json", "--batch_size", "4"]
     (["--continue_from", "/nonexistent/checkpoint"], "--continue_from"),
     (["--warmup_steps", "50", "--num_training_steps", "50"], "--warmup_steps"),
     (["--norm_type", "post_pre"], "--post_num"),
+    (["--keep_last", "0"], "--keep_last"),
 ])
 def test_bad_values_are_one_line_errors_naming_the_flag(extra, flag, monkeypatch, capsys):
     monkeypatch.chdir(REPO)

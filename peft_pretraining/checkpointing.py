@@ -1,0 +1,142 @@
+"""Checkpoint formats beyond the plain HF folder: sharded FSDP2 state, memory-mapped loading, pruning old saves.
+
+A checkpoint folder model_<step>/ always holds an HF export (config.json, model.safetensors, tokenizer files) that
+the analyses and lm-eval read, and training_state.pt. What resumes the run differs:
+  * DDP / one process: the safetensors weights and the full optimizer state inside training_state.pt;
+  * FSDP2: sharded/, written with torch.distributed.checkpoint (DCP): every rank writes and later reads only its
+    own shards of the model and the optimizer state, as torchtitan does. The HF export beside it is gathered on
+    rank 0 (model weights only) at every save, so intermediate checkpoints stay readable by the analyses.
+"""
+import glob
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from peft_pretraining.args_utils import CHECKPOINT_PREFIX, TRAINING_STATE_FILE
+
+SHARDED_DIR = "sharded"  # DCP files inside a checkpoint folder: .metadata and one __<rank>_0.distcp per rank
+
+
+class ShardedLoadError(RuntimeError):
+    """The sharded state of a checkpoint is missing, incomplete or does not fit the model."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sharded (FSDP2) state
+# ----------------------------------------------------------------------------------------------------------------
+
+def _sharded_state(model, optimizer) -> dict:
+    """This rank's shards of model and optimizer state (DTensors under FSDP2), keyed by parameter names."""
+    for group in optimizer.param_groups:  # build_scheduler resets it on resume; present so that it is saved/loaded
+        group.setdefault("initial_lr", group["lr"])
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def sharded_staging_dir(run_dir: str, step: int) -> str:
+    return os.path.join(run_dir, f".{CHECKPOINT_PREFIX}{step}.{SHARDED_DIR}.tmp")
+
+
+def save_sharded(run_dir: str, step: int, model, optimizer) -> str:
+    """Collective: every rank writes its shards into a staging folder, which save_checkpoint moves into place."""
+    staging = sharded_staging_dir(run_dir, step)
+    if dist.get_rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+    dist.barrier()
+    dcp.save(_sharded_state(model, optimizer), checkpoint_id=staging)  # files are fsynced by DCP's writer
+    return staging
+
+
+def load_sharded(checkpoint: str, model, optimizer) -> None:
+    """Collective: every rank reads only the pieces of sharded/ that its own shards need (any world size)."""
+    directory = os.path.join(checkpoint, SHARDED_DIR)
+    if not os.path.isfile(os.path.join(directory, ".metadata")):
+        raise ShardedLoadError(f"--continue_from {checkpoint}: {SHARDED_DIR}/.metadata missing")
+    try:
+        metadata = dcp.FileSystemReader(directory).read_metadata()
+    except Exception as err:
+        raise ShardedLoadError(f"--continue_from {checkpoint}: corrupt {SHARDED_DIR}/.metadata ({err})") from err
+    needed = sorted({item.relative_path for item in metadata.storage_data.values()})
+    missing = [name for name in needed if not os.path.isfile(os.path.join(directory, name))]
+    if missing:
+        raise ShardedLoadError(f"--continue_from {checkpoint}: {SHARDED_DIR}/ lacks {', '.join(missing)}")
+    state = _sharded_state(model, optimizer)
+    try:
+        dcp.load(state, checkpoint_id=directory)
+    except (Exception, CheckpointException) as err:  # DCP gathers per-rank failures into a BaseException subclass
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
+        raise ShardedLoadError(f"--continue_from {checkpoint}: cannot read {SHARDED_DIR}/ ({first_line[:200]})") from err
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def full_model_state(model) -> dict:
+    """Collective: the unsharded model weights on rank 0's CPU (other ranks get an empty dict), for the HF export."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Full-format (DDP) loading without extra copies
+# ----------------------------------------------------------------------------------------------------------------
+
+def copy_safetensors_into(model, checkpoint: str) -> list[str]:
+    """Copy the checkpoint's weights into the model tensor by tensor from memory-mapped files.
+
+    Peak extra memory is one tensor, not a second full state dict per rank; returns the model keys not found.
+    """
+    targets = model.state_dict()
+    found = set()
+    with torch.no_grad():
+        for path in sorted(glob.glob(os.path.join(checkpoint, "*.safetensors"))):
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if name not in targets:
+                        raise KeyError(f"unexpected weight {name!r} in {os.path.basename(path)}")
+                    tensor = f.get_tensor(name)
+                    if tensor.shape != targets[name].shape:
+                        raise ValueError(f"{name}: shape {tuple(tensor.shape)} in the checkpoint, "
+                                         f"{tuple(targets[name].shape)} in the model")
+                    targets[name].copy_(tensor)
+                    found.add(name)
+    return sorted(set(targets) - found)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Retention
+# ----------------------------------------------------------------------------------------------------------------
+
+def complete_checkpoints(run_dir: str) -> list[tuple[int, str]]:
+    """(step, folder) of the finished checkpoints in a run folder (a training-state file present), by step."""
+    found = []
+    for path in glob.glob(os.path.join(run_dir, CHECKPOINT_PREFIX + "*")):
+        suffix = os.path.basename(path)[len(CHECKPOINT_PREFIX):]
+        if suffix.isdigit() and os.path.isfile(os.path.join(path, TRAINING_STATE_FILE)):
+            found.append((int(suffix), path))
+    return sorted(found)
+
+
+def prune_checkpoints(run_dir: str, just_saved_step: int, keep_last: int | None) -> list[str]:
+    """After a successful save: keep the checkpoint just written and the keep_last - 1 newest before it.
+
+    Checkpoints of a later step than the one just saved belong to a trajectory this run replaced by resuming
+    earlier; they are neither counted nor removed. keep_last None keeps everything. Returns the removed folders.
+    """
+    checkpoints = dict(complete_checkpoints(run_dir))
+    if keep_last is None or just_saved_step not in checkpoints:
+        return []
+    earlier = [path for step, path in sorted(checkpoints.items()) if step < just_saved_step]
+    doomed = earlier[: max(len(earlier) - (keep_last - 1), 0)]
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed

@@ -1,0 +1,49 @@
+"""Checkpoint helpers in one process: DCP sharded state round trip and refusal, mmap weight copy, pruning lives in
+test_training.py. The two-rank FSDP2 save/resume runs in test_distributed.py."""
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from peft_pretraining import checkpointing
+
+
+def tiny_model_and_optimizer(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def save_sharded_alone(folder, model, optimizer):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(checkpointing._sharded_state(model, optimizer), checkpoint_id=str(folder / checkpointing.SHARDED_DIR))
+
+
+def test_sharded_state_round_trip_and_missing_shard(tmp_path):
+    model, optimizer = tiny_model_and_optimizer(0)
+    save_sharded_alone(tmp_path, model, optimizer)
+    other, other_optimizer = tiny_model_and_optimizer(1)
+    checkpointing.load_sharded(str(tmp_path), other, other_optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+    saved, loaded = optimizer.state_dict()["state"], other_optimizer.state_dict()["state"]
+    assert all(torch.equal(saved[i]["exp_avg_sq"], loaded[i]["exp_avg_sq"]) for i in saved)
+
+    for shard in (tmp_path / checkpointing.SHARDED_DIR).glob("*.distcp"):
+        shard.unlink()
+    with pytest.raises(checkpointing.ShardedLoadError, match="lacks __0_0.distcp"):
+        checkpointing.load_sharded(str(tmp_path), other, other_optimizer)
+
+
+def test_weights_are_copied_from_safetensors_and_mismatches_refused(tmp_path):
+    model, _ = tiny_model_and_optimizer(0)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "model.safetensors")
+    other, _ = tiny_model_and_optimizer(1)
+    assert checkpointing.copy_safetensors_into(other, str(tmp_path)) == []
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+    save_file({"0.weight": torch.zeros(8, 5)}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="0.weight"):
+        checkpointing.copy_safetensors_into(other, str(tmp_path))
