@@ -26,7 +26,7 @@ from peft_pretraining.dataloader import (
     iter_eval_batches,
     load_tokenizer,
 )
-from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config
+from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config, canonical_norm_type
 
 VOCAB_MULTIPLE = 64
 
@@ -69,8 +69,10 @@ def resolve_run_dir(args, rank: int) -> str:
 
 
 def build_model_config(args, tokenizer, log):
-    config = build_config(args.model_config, norm_type=args.norm_type, post_num=args.post_num,
-                          init_method=args.init_method)
+    options = {option: getattr(args, option) for option in args_utils.MODEL_OPTIONS}
+    config = build_config(args.model_config, **options)
+    if config.embed_init_std is None:  # record the value used, so that the checkpoint says what was trained
+        config.embed_init_std = config.initializer_range
     if len(tokenizer) > config.vocab_size:
         # e.g. t5-base has 32100 ids for the paper's 32000-row configs; round up so the matmul shapes stay friendly.
         resized = math.ceil(len(tokenizer) / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
@@ -88,7 +90,9 @@ def build_model_config(args, tokenizer, log):
 def check_checkpoint_matches(args, config, checkpoint: str):
     with open(os.path.join(checkpoint, "config.json")) as f:
         saved = json.load(f)
-    for flag in ("norm_type", "post_num", "init_method"):
+    if "norm_type" in saved:
+        saved["norm_type"] = canonical_norm_type(saved["norm_type"])  # a "cod" checkpoint resumes as "lns"
+    for flag in args_utils.MODEL_OPTIONS:
         if flag in saved and saved[flag] != getattr(config, flag):
             raise BadInput(f"--{flag} {getattr(config, flag)!r} differs from the checkpoint's {saved[flag]!r} "
                            f"(--continue_from {checkpoint})")
@@ -193,8 +197,9 @@ def train(args, rank: int, world_size: int, device) -> int:
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable()
     n_params = sum(p.numel() for p in model.parameters())
+    options = " ".join(f"{option}={getattr(config, option)}" for option in args_utils.MODEL_OPTIONS[3:])
     log(f"model: {args.model_config} norm_type={config.norm_type} post_num={config.post_num} "
-        f"init={config.init_method} params={n_params / 1e6:.2f}M dtype={args.dtype} device={device} "
+        f"init={config.init_method} {options} params={n_params / 1e6:.2f}M dtype={args.dtype} device={device} "
         f"world_size={world_size} wrap={'fsdp2' if args.fsdp else 'ddp' if world_size > 1 else 'none'}")
 
     # ---- data: open both splits now, so a wrong name or a missing split fails before any training ----------
