@@ -405,3 +405,16 @@ def test_a_rival_that_spikes_stops_as_diverged(tmp_path, monkeypatch):
     assert train_in_process(["--norm_type", "peri", "--divergence_loss", "0.01"], run_dir, monkeypatch) == EXIT_DIVERGED
     results = json.loads((run_dir / "results.json").read_text())
     assert results["status"] == "diverged" and results["step"] == 1 and not list(run_dir.glob("model_*"))
+
+
+def test_a_checkpoint_config_saying_cod_resumes_as_lns(tmp_path):
+    import torchrun_main
+
+    config = build_config(REPO / "configs" / "llama_tiny.json", norm_type="lns")
+    saved = dict(config.to_dict(), norm_type="cod")
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    args = args_utils.build_parser().parse_args(["--batch_size", "1", "--model_config", "unused"])
+    torchrun_main.check_checkpoint_matches(args, config, str(tmp_path))  # no BadInput: cod is lns
+    config.norm_type = "pre"
+    with pytest.raises(torchrun_main.BadInput, match="--norm_type"):
+        torchrun_main.check_checkpoint_matches(args, config, str(tmp_path))
