@@ -409,7 +409,7 @@ class DecoderLayer(nn.Module):
     #   layerscale  h = x + g1 * Attn(N1(x))                out = h + g2 * MLP(N2(h))      g per channel or scalar
     #   skipinit    h = x + g1 * Attn(N1(x))                out = h + g2 * MLP(N2(h))      scalar g, starts at 0
     #   completep   h = x + L^-a * Attn(N1(x))              out = h + L^-a * MLP(N2(h))
-    #   peri        h = x + O1(Attn(N1(x)))                 out = h + O2(MLP(N2(h)))       O = the residual's output_norm
+    #   peri        h = x + O1(Attn(N1(x)))                 out = h + O2(MLP(N2(h)))  O: residual.output_norm
     #   peri_lns    h = x + O1(Attn(N1(x) / sqrt(l)))       out = h + O2(MLP(N2(h) / sqrt(l)))
     #   reordered   h = x + N1(Attn(x))                     out = h + N2(MLP(h))
     #   dyt         as pre, with every norm (the final one too) DyT(x) = w * tanh(alpha * x) + b
