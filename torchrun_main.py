@@ -34,7 +34,7 @@ from peft_pretraining.dataloader import (
     iter_eval_batches,
     load_tokenizer,
 )
-from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config
+from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config, canonical_norm_type
 
 VOCAB_MULTIPLE = 64
 
@@ -103,11 +103,13 @@ def open_run_folder(args, rank: int, resume_step: int | None, on_exit: contextli
 
 
 def build_model_config(args, tokenizer, log):
+    options = {option: getattr(args, option) for option in args_utils.MODEL_OPTIONS}
     try:
-        config = build_config(args.model_config, norm_type=args.norm_type, post_num=args.post_num,
-                              init_method=args.init_method)
+        config = build_config(args.model_config, **options)
     except ValueError as err:
         raise BadInput(f"--model_config {args.model_config}: {err}") from err
+    if config.embed_init_std is None:  # record the value used, so that the checkpoint says what was trained
+        config.embed_init_std = config.initializer_range
     if len(tokenizer) > config.vocab_size:
         # e.g. t5-base has 32100 ids for the paper's 32000-row configs; round up so the matmul shapes stay friendly.
         resized = math.ceil(len(tokenizer) / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
@@ -127,7 +129,9 @@ def build_model_config(args, tokenizer, log):
 def check_checkpoint_matches(args, config, checkpoint: str):
     with open(os.path.join(checkpoint, "config.json")) as f:
         saved = json.load(f)
-    for flag in ("norm_type", "post_num", "init_method"):
+    if "norm_type" in saved:
+        saved["norm_type"] = canonical_norm_type(saved["norm_type"])  # a "cod" checkpoint resumes as "lns"
+    for flag in args_utils.MODEL_OPTIONS:
         if flag in saved and saved[flag] != getattr(config, flag):
             raise BadInput(f"--{flag} {getattr(config, flag)!r} differs from the checkpoint's {saved[flag]!r} "
                            f"(--continue_from {checkpoint})")
@@ -246,8 +250,9 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable()
     n_params = sum(p.numel() for p in model.parameters())
+    options = " ".join(f"{option}={getattr(config, option)}" for option in args_utils.MODEL_OPTIONS[3:])
     log(f"model: {args.model_config} norm_type={config.norm_type} post_num={config.post_num} "
-        f"init={config.init_method} params={n_params / 1e6:.2f}M dtype={args.dtype} device={device} "
+        f"init={config.init_method} {options} params={n_params / 1e6:.2f}M dtype={args.dtype} device={device} "
         f"world_size={world_size} wrap={'fsdp2' if args.fsdp else 'ddp' if world_size > 1 else 'none'}")
     frozen_gains_note = training_utils.pure_bf16_note(args.dtype, args.optimizer, args.lr)
     if frozen_gains_note:

@@ -13,9 +13,23 @@ import re
 import torch
 
 from peft_pretraining import run_folder
-from peft_pretraining.modeling_llama import INIT_METHODS, NORM_TYPES
+from peft_pretraining.modeling_llama import (
+    DEEPNORM_INITS,
+    DEFAULT_COMPLETEP_ALPHA,
+    DEFAULT_DEEPNORM_INIT,
+    DEFAULT_LAYERSCALE_FORM,
+    DEFAULT_LAYERSCALE_INIT,
+    INIT_METHODS,
+    LAYERSCALE_FORMS,
+    NORM_TYPE_ALIASES,
+    NORM_TYPE_CHOICES,
+    canonical_norm_type,
+)
 from peft_pretraining.run_folder import CHECKPOINT_PREFIX, SUPERSEDED_DIR
 
+# Model options recorded in the checkpoint config: resume takes them from there and refuses a different value.
+MODEL_OPTIONS = ("norm_type", "post_num", "init_method", "layerscale_form", "layerscale_init", "completep_alpha",
+                 "deepnorm_init", "embed_init_std")
 DATASET_EMBEDDED = "embedded"
 DEFAULT_HUB_TOKENIZER = "t5-base"
 TRAINING_STATE_FILE = "training_state.pt"
@@ -54,11 +68,28 @@ def build_parser() -> argparse.ArgumentParser:
     model = p.add_argument_group("model")
     model.add_argument("--model_config", type=str, default=None,
                        help="model JSON, e.g. configs/llama_130m.json (required unless --continue_from)")
-    model.add_argument("--norm_type", type=str.lower, default=None, choices=NORM_TYPES,
-                       help="norm placement; env NORM_TYPE is read when the flag is absent (default pre)")
+    aliases = ", ".join(f"{alias} = {name}" for alias, name in NORM_TYPE_ALIASES.items())
+    model.add_argument("--norm_type", type=str.lower, default=None, choices=NORM_TYPE_CHOICES,
+                       help=f"norm placement ({aliases}); env NORM_TYPE is read when the flag is absent (default pre)")
     model.add_argument("--post_num", type=int, default=None,
                        help="Mix-LN (post_pre): the first post_num layers are Post-LN; env POST_NUM when absent")
-    model.add_argument("--init_method", type=str.lower, default=None, choices=INIT_METHODS, help="default normal")
+    model.add_argument("--init_method", type=str.lower, default=None, choices=INIT_METHODS,
+                       help="default normal; scaled: o_proj/down_proj std / sqrt(2L); depth_scaled: std / sqrt(2l)")
+    model.add_argument("--layerscale_form", type=str.lower, default=None, choices=LAYERSCALE_FORMS,
+                       help=f"layerscale: one gain per channel or one scalar per sublayer (default "
+                            f"{DEFAULT_LAYERSCALE_FORM})")
+    model.add_argument("--layerscale_init", type=float, default=None,
+                       help="initial LayerScale gain (default: " +
+                            ", ".join(f"{v} for {k}" for k, v in DEFAULT_LAYERSCALE_INIT.items()) + ")")
+    model.add_argument("--completep_alpha", type=float, default=None,
+                       help=f"completep: branches are multiplied by L^-alpha (default {DEFAULT_COMPLETEP_ALPHA}; "
+                            f"0.5 is depth-muP)")
+    model.add_argument("--deepnorm_init", type=str.lower, default=None, choices=DEEPNORM_INITS,
+                       help=f"deepnorm: deepnet (std * (8L)^-1/4) or reference (the authors' Xavier gains) (default "
+                            f"{DEFAULT_DEEPNORM_INIT})")
+    model.add_argument("--embed_init_std", type=float, default=None,
+                       help="std of the embedding init (default: the config's initializer_range, 0.02; the "
+                            "paper's uploaded code used sqrt(2/5) = 0.632)")
     model.add_argument("--activation_checkpointing", action="store_true")
 
     data = p.add_argument_group("data")
@@ -161,9 +192,9 @@ def _resolve_norm(args, parser, saved: dict):
     """Flag, else environment (NORM_TYPE/POST_NUM, for old scripts), else the resumed checkpoint, else default."""
     if args.norm_type is None and os.environ.get("NORM_TYPE"):
         env = os.environ["NORM_TYPE"]
-        # The reference lower-cased NORM_TYPE and then compared it with 'LNS', so LNS silently never ran.
-        if env.lower() not in NORM_TYPES:
-            parser.error(f"environment NORM_TYPE={env!r} is not one of {', '.join(NORM_TYPES)}")
+        # The reference lower-cased NORM_TYPE and then compared it with 'LNS', so its LNS branch never ran.
+        if env.lower() not in NORM_TYPE_CHOICES:
+            parser.error(f"environment NORM_TYPE={env!r} is not one of {', '.join(NORM_TYPE_CHOICES)}")
         args.norm_type = env.lower()
     if args.post_num is None and os.environ.get("POST_NUM", "").strip():
         try:
@@ -172,10 +203,25 @@ def _resolve_norm(args, parser, saved: dict):
             parser.error(f"environment POST_NUM={os.environ['POST_NUM']!r} is not an integer")
     if args.norm_type is None:
         args.norm_type = saved.get("norm_type", "pre")
+    args.norm_type = canonical_norm_type(args.norm_type)
     if args.post_num is None:
         args.post_num = saved.get("post_num")
-    if args.init_method is None:
-        args.init_method = saved.get("init_method", "normal")
+    defaults = {"init_method": "normal", "layerscale_form": DEFAULT_LAYERSCALE_FORM, "completep_alpha":
+                DEFAULT_COMPLETEP_ALPHA, "deepnorm_init": DEFAULT_DEEPNORM_INIT, "embed_init_std": None}
+    for option, default in defaults.items():
+        if getattr(args, option) is None:
+            setattr(args, option, saved.get(option, default))
+    if args.layerscale_init is None:
+        same_form = saved.get("layerscale_form", DEFAULT_LAYERSCALE_FORM) == args.layerscale_form
+        args.layerscale_init = saved.get("layerscale_init") if same_form else None
+        if args.layerscale_init is None:
+            args.layerscale_init = DEFAULT_LAYERSCALE_INIT[args.layerscale_form]
+    if not math.isfinite(args.layerscale_init):
+        parser.error(f"--layerscale_init must be a finite number, got {args.layerscale_init}")
+    if not (math.isfinite(args.completep_alpha) and args.completep_alpha >= 0):
+        parser.error(f"--completep_alpha must be a finite number >= 0, got {args.completep_alpha}")
+    if args.embed_init_std is not None and not (math.isfinite(args.embed_init_std) and args.embed_init_std > 0):
+        parser.error(f"--embed_init_std must be a positive number, got {args.embed_init_std}")
     if args.norm_type == "post_pre" and args.post_num is None:
         parser.error("--post_num is required with --norm_type post_pre (how many of the first layers are Post-LN)")
     if args.post_num is None:
@@ -186,7 +232,7 @@ def check_saved_config(parser, path: str, saved: dict):
     """The norm settings a checkpoint's config.json hands to this run must be valid values."""
     if not isinstance(saved, dict):
         parser.error(f"--continue_from: {path} is not a JSON object (it holds a {type(saved).__name__})")
-    for key, valid in (("norm_type", NORM_TYPES), ("init_method", INIT_METHODS)):
+    for key, valid in (("norm_type", NORM_TYPE_CHOICES), ("init_method", INIT_METHODS)):
         if key in saved and str(saved[key]).lower() not in valid:
             parser.error(f"--continue_from: {path} has an unknown {key} {saved[key]!r} (valid: {', '.join(valid)})")
     post_num = saved.get("post_num")

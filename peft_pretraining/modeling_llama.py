@@ -1,17 +1,24 @@
 """A LLaMA decoder whose norm placement is chosen by name.
 
-The only thing that differs between Pre-LN, Post-LN, Mix-LN, LayerNorm Scaling (LNS), DeepNorm and LayerScale is
-how each sublayer (attention, MLP) is wrapped with its norm and residual. Each wrapping is a small `Residual`
-module below; a decoder layer holds two of them and never branches on the variant. Parameter names are exactly
-those of `transformers.LlamaForCausalLM`, so weights move freely between the two.
+The only thing that differs between Pre-LN, Post-LN, Mix-LN, LayerNorm Scaling (LNS), DeepNorm, LayerScale, SkipInit,
+Peri-LN, output-norm (OLMo 2), DyT and CompleteP is how each sublayer (attention, MLP) is wrapped with its norm and
+residual, and which norm that is. Each wrapping is a small module below; a decoder layer holds two of them and never
+branches on the variant. Parameter names are those of `transformers.LlamaForCausalLM` plus, where a variant needs
+more (Peri-LN's output norms, gates, DyT's alpha and bias), names under the placement module, so weights move freely.
 
-The model is built from a `transformers.LlamaConfig` with three extra attributes:
-    norm_type    pre | post | post_pre | lns | deepnorm | layerscale   (case-insensitive; "LNS" works)
-    post_num     Mix-LN: layers with 0-based index < post_num are Post-LN, the rest Pre-LN
-    init_method  normal | scaled
+The model is built from a `transformers.LlamaConfig` with extra attributes (all optional, defaults in brackets):
+    norm_type         one of NORM_TYPES, case-insensitive; "cod" (the paper's uploaded code) is an alias of "lns" [pre]
+    post_num          Mix-LN: layers with 0-based index < post_num are Post-LN, the rest Pre-LN [0]
+    init_method       normal | scaled | depth_scaled [normal]
+    layerscale_form   channel (one gain per channel) | scalar (one gain per sublayer) [channel]
+    layerscale_init   initial LayerScale gain [0.1 for channel, 0.001 for scalar]
+    completep_alpha   CompleteP: each branch is multiplied by L^-alpha [1.0]
+    deepnorm_init     deepnet (std 0.02 * (8L)^-1/4) | reference (the authors' Xavier init) [deepnet]
+    embed_init_std    std of the embedding init [initializer_range]
+    dyt_alpha_init    DyT's alpha0 as [attention norms, MLP and final norms] [0.8, 0.2]
 Optional per-layer attributes (`layer_norm_types`, `layer_depths`, `deepnorm_num_layers`) pin each layer's
-placement and LNS depth explicitly; `freeze_layer_plan` writes them, so that a layer keeps what it was trained
-with after another layer is removed.
+placement, LNS depth and the L of DeepNorm/CompleteP explicitly; `freeze_layer_plan` writes them, so that a layer
+keeps what it was trained with after another layer is removed.
 """
 
 from __future__ import annotations
@@ -26,17 +33,45 @@ from transformers import GenerationMixin, LlamaConfig, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutput
 
-NORM_TYPES = ("pre", "post", "post_pre", "lns", "deepnorm", "layerscale")
-LAYER_PLACEMENTS = ("pre", "post", "lns", "deepnorm", "layerscale")
-INIT_METHODS = ("normal", "scaled")
-DEFAULT_LAYERSCALE_INIT = 0.1
+NORM_TYPES = ("pre", "post", "post_pre", "lns", "deepnorm", "layerscale", "skipinit", "peri", "peri_lns", "reordered",
+              "dyt", "completep")
+NORM_TYPE_ALIASES = {"cod": "lns"}  # "cod" is LNS's name in the paper's uploaded code (commit 5d4dd11)
+NORM_TYPE_CHOICES = NORM_TYPES + tuple(NORM_TYPE_ALIASES)
+LAYER_PLACEMENTS = tuple(name for name in NORM_TYPES if name != "post_pre")
+INIT_METHODS = ("normal", "scaled", "depth_scaled")
+LAYERSCALE_FORMS = ("channel", "scalar")
+DEFAULT_LAYERSCALE_FORM = "channel"
+DEFAULT_LAYERSCALE_INIT = {"channel": 0.1, "scalar": 0.001}  # ours (Touvron et al.) | the reference's scalar branch
+DEEPNORM_INITS = ("deepnet", "reference")
+DEFAULT_DEEPNORM_INIT = "deepnet"
+DEFAULT_COMPLETEP_ALPHA = 1.0
+# DyT's alpha0 for LLaMA (Zhu et al. 2025): larger before attention than before the MLP and at the final norm;
+# 0.8 / 0.2 is the paper's setting for its smallest LLaMA (7B).
+DEFAULT_DYT_ALPHA_INIT = (0.8, 0.2)
 
 
-def _choice(value, valid, what: str) -> str:
+def canonical_norm_type(value) -> str:
+    """Lower-cased norm type with aliases resolved ("COD" -> "lns"); unknown names pass through for validation."""
     name = str(value).lower()
+    return NORM_TYPE_ALIASES.get(name, name)
+
+
+def _choice(value, valid, what: str, aliases: dict | None = None) -> str:
+    name = str(value).lower()
+    name = (aliases or {}).get(name, name)
     if name not in valid:
-        raise ValueError(f"unknown {what} {value!r}; valid choices: {', '.join(valid)}")
+        raise ValueError(f"unknown {what} {value!r}; valid choices: {', '.join((*valid, *(aliases or {})))}")
     return name
+
+
+def _number(config, key: str, default: float, minimum: float | None = None) -> float:
+    value = getattr(config, key, None)
+    value = default if value is None else value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+            minimum is not None and value < minimum):
+        bound = f" >= {minimum}" if minimum is not None else ""
+        raise ValueError(f"{key}={value!r} is not a finite number{bound}")
+    return float(value)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -47,15 +82,22 @@ def _choice(value, valid, what: str) -> str:
 @dataclass(frozen=True)
 class LayerPlan:
     placements: list[str]  # one of LAYER_PLACEMENTS per layer
-    depths: list[int]  # 1-based depth of each layer, used by LNS
-    deepnorm_num_layers: int  # the L in DeepNorm's alpha = (2L)^1/4 and beta = (8L)^-1/4
+    depths: list[int]  # 1-based depth of each layer, used by LNS and depth-scaled init
+    deepnorm_num_layers: int  # the L of DeepNorm's alpha, beta and CompleteP's L^-alpha (kept after layer removal)
     init_method: str
+    final_norm: str  # "dyt" or "rms"
+    layerscale_form: str
+    layerscale_init: float
+    completep_alpha: float
+    deepnorm_init: str
+    embed_init_std: float
+    dyt_alpha_init: tuple[float, float]
 
 
 def layer_plan(config) -> LayerPlan:
     """The per-layer placement and depth implied by the config; validates every value."""
     num_layers = config.num_hidden_layers
-    norm_type = _choice(getattr(config, "norm_type", "pre"), NORM_TYPES, "norm_type")
+    norm_type = _choice(getattr(config, "norm_type", "pre"), NORM_TYPES, "norm_type", NORM_TYPE_ALIASES)
     init_method = _choice(getattr(config, "init_method", "normal"), INIT_METHODS, "init_method")
 
     placements = getattr(config, "layer_norm_types", None)
@@ -67,7 +109,7 @@ def layer_plan(config) -> LayerPlan:
             placements = ["post"] * post_num + ["pre"] * (num_layers - post_num)
         else:
             placements = [norm_type] * num_layers
-    placements = [_choice(p, LAYER_PLACEMENTS, "layer placement") for p in placements]
+    placements = [_choice(p, LAYER_PLACEMENTS, "layer placement", NORM_TYPE_ALIASES) for p in placements]
 
     depths = list(getattr(config, "layer_depths", None) or range(1, num_layers + 1))
     deepnorm_num_layers = getattr(config, "deepnorm_num_layers", None) or num_layers
@@ -76,7 +118,22 @@ def layer_plan(config) -> LayerPlan:
             f"layer_norm_types ({len(placements)}) and layer_depths ({len(depths)}) must both have "
             f"num_hidden_layers={num_layers} entries"
         )
-    return LayerPlan(placements, depths, deepnorm_num_layers, init_method)
+    layerscale_form = _choice(getattr(config, "layerscale_form", None) or DEFAULT_LAYERSCALE_FORM, LAYERSCALE_FORMS,
+                              "layerscale_form")
+    dyt_alpha_init = tuple(getattr(config, "dyt_alpha_init", None) or DEFAULT_DYT_ALPHA_INIT)
+    if len(dyt_alpha_init) != 2 or not all(isinstance(a, (int, float)) and a > 0 for a in dyt_alpha_init):
+        raise ValueError(f"dyt_alpha_init={dyt_alpha_init!r} must be two positive numbers (attention, other)")
+    return LayerPlan(
+        placements, depths, deepnorm_num_layers, init_method,
+        final_norm="dyt" if norm_type == "dyt" else "rms",
+        layerscale_form=layerscale_form,
+        layerscale_init=_number(config, "layerscale_init", DEFAULT_LAYERSCALE_INIT[layerscale_form]),
+        completep_alpha=_number(config, "completep_alpha", DEFAULT_COMPLETEP_ALPHA, minimum=0.0),
+        deepnorm_init=_choice(getattr(config, "deepnorm_init", None) or DEFAULT_DEEPNORM_INIT, DEEPNORM_INITS,
+                              "deepnorm_init"),
+        embed_init_std=_number(config, "embed_init_std", config.initializer_range, minimum=0.0),
+        dyt_alpha_init=(float(dyt_alpha_init[0]), float(dyt_alpha_init[1])),
+    )
 
 
 def freeze_layer_plan(config):
@@ -94,7 +151,7 @@ def build_config(path_or_config, norm_type: str = "pre", post_num: int = 0, init
         config = LlamaConfig.from_dict(path_or_config.to_dict())
     else:
         config = LlamaConfig.from_json_file(str(path_or_config))
-    config.norm_type = str(norm_type).lower()
+    config.norm_type = canonical_norm_type(norm_type)
     config.post_num = int(post_num)
     config.init_method = str(init_method).lower()
     for key, value in overrides.items():
@@ -228,27 +285,84 @@ class DeepNormResidual(nn.Module):
         return norm(self.alpha * x + sublayer(x))
 
 
-class LayerScaleResidual(nn.Module):
-    """LayerScale: x + lambda * F(N(x)), with a learnable per-channel lambda."""
+class GatedPreNorm(nn.Module):
+    """x + g * F(N(x)) with a learnable gain g: LayerScale (per channel, or one scalar per sublayer) and SkipInit
+    (one scalar, initialised to 0 so that every block starts as the identity)."""
 
-    def __init__(self, hidden_size: int, init_value: float):
+    def __init__(self, size: int, init_value: float):
         super().__init__()
         self.init_value = init_value
-        self.gain = nn.Parameter(torch.full((hidden_size,), init_value))
+        self.gain = nn.Parameter(torch.full((size,), float(init_value)))
 
     def forward(self, x, sublayer, norm):
         return x + self.gain * sublayer(norm(x))
 
 
-def make_residual(placement: str, config, depth: int, deepnorm_num_layers: int) -> nn.Module:
+class DepthScaledBranch(nn.Module):
+    """CompleteP / depth-muP: x + L^-alpha * F(N(x)); a plain float, like the LNS factor."""
+
+    def __init__(self, num_layers: int, alpha: float):
+        super().__init__()
+        self.multiplier = float(num_layers) ** -alpha
+
+    def forward(self, x, sublayer, norm):
+        return x + self.multiplier * sublayer(norm(x))
+
+
+class PeriNorm(nn.Module):
+    """Peri-LN: x + N_out(F(N(x) * scale)); scale = 1 (peri) or LNS's 1/sqrt(depth) on the inner norm (peri_lns)."""
+
+    def __init__(self, output_norm: nn.Module, scale: float = 1.0):
+        super().__init__()
+        self.output_norm = output_norm
+        self.scale = scale
+
+    def forward(self, x, sublayer, norm):
+        return x + self.output_norm(sublayer(norm(x) * self.scale))
+
+
+class OutputNorm(nn.Module):
+    """OLMo 2's reordered norm: x + N(F(x)); the block norm moves to the branch output."""
+
+    def forward(self, x, sublayer, norm):
+        return x + norm(sublayer(x))
+
+
+class DyT(nn.Module):
+    """Dynamic Tanh (Zhu et al., CVPR 2025), a drop-in for a norm: weight * tanh(alpha * x) + bias, alpha a scalar."""
+
+    def __init__(self, hidden_size: int, alpha_init: float):
+        super().__init__()
+        self.alpha_init = alpha_init
+        self.alpha = nn.Parameter(torch.full((1,), float(alpha_init)))
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.bias = nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * torch.tanh(self.alpha * x) + self.bias
+
+
+def make_norm(kind: str, config, alpha_init: float) -> nn.Module:
+    """A block or final norm: RMSNorm, or DyT (then alpha_init is its alpha0)."""
+    if kind == "dyt":
+        return DyT(config.hidden_size, alpha_init)
+    return RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+def make_residual(placement: str, config, depth: int, plan: LayerPlan) -> nn.Module:
+    layerscale_size = config.hidden_size if plan.layerscale_form == "channel" else 1
     builders = {
         "pre": lambda: PreNorm(),
+        "dyt": lambda: PreNorm(),  # DyT changes the norms, not the placement
         "lns": lambda: ScaledPreNorm(depth),
         "post": lambda: PostNorm(),
-        "deepnorm": lambda: DeepNormResidual(deepnorm_num_layers),
-        "layerscale": lambda: LayerScaleResidual(
-            config.hidden_size, getattr(config, "layerscale_init", DEFAULT_LAYERSCALE_INIT)
-        ),
+        "deepnorm": lambda: DeepNormResidual(plan.deepnorm_num_layers),
+        "layerscale": lambda: GatedPreNorm(layerscale_size, plan.layerscale_init),
+        "skipinit": lambda: GatedPreNorm(1, 0.0),
+        "completep": lambda: DepthScaledBranch(plan.deepnorm_num_layers, plan.completep_alpha),
+        "peri": lambda: PeriNorm(make_norm("rms", config, 0.0)),
+        "peri_lns": lambda: PeriNorm(make_norm("rms", config, 0.0), 1.0 / math.sqrt(depth)),
+        "reordered": lambda: OutputNorm(),
     }
     return builders[placement]()
 
@@ -260,22 +374,31 @@ class DecoderLayer(nn.Module):
         self.placement = placement
         self.self_attn = Attention(config, layer_idx)
         self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn_residual = make_residual(placement, config, depth, plan.deepnorm_num_layers)
-        self.mlp_residual = make_residual(placement, config, depth, plan.deepnorm_num_layers)
-        self._tag_init_std_factors(config, plan)
+        norm_kind = "dyt" if placement == "dyt" else "rms"
+        attn_alpha, other_alpha = plan.dyt_alpha_init
+        self.input_layernorm = make_norm(norm_kind, config, attn_alpha)
+        self.post_attention_layernorm = make_norm(norm_kind, config, other_alpha)
+        self.attn_residual = make_residual(placement, config, depth, plan)
+        self.mlp_residual = make_residual(placement, config, depth, plan)
+        self._tag_init_std_factors(config, plan, depth)
 
-    def _tag_init_std_factors(self, config, plan: LayerPlan):
-        """Mark the linears whose init std is scaled; `_init_weights` reads the tag."""
+    def _tag_init_std_factors(self, config, plan: LayerPlan, depth: int):
+        """Mark the linears whose init differs from N(0, initializer_range); `_init_weights` reads the tags."""
+        outputs = (self.self_attn.o_proj, self.mlp.down_proj)
         if plan.init_method == "scaled":  # GPT-2 / OLMo: residual-branch outputs get std / sqrt(2L)
-            for linear in (self.self_attn.o_proj, self.mlp.down_proj):
-                linear.init_std_factor = getattr(linear, "init_std_factor", 1.0) / math.sqrt(2 * config.num_hidden_layers)
-        if self.placement == "deepnorm":  # DeepNet: value, output and FFN projections get gain beta = (8L)^(-1/4)
-            beta = (8 * plan.deepnorm_num_layers) ** -0.25
-            for linear in (self.self_attn.v_proj, self.self_attn.o_proj, self.mlp.gate_proj, self.mlp.up_proj,
-                           self.mlp.down_proj):
-                linear.init_std_factor = getattr(linear, "init_std_factor", 1.0) * beta
+            _scale_init_std(outputs, 1 / math.sqrt(2 * config.num_hidden_layers))
+        if plan.init_method == "depth_scaled":  # torchtitan's depth_init: std / sqrt(2l), l the 1-based depth
+            _scale_init_std(outputs, 1 / math.sqrt(2 * depth))
+        if self.placement == "deepnorm":
+            value_output_mlp = (self.self_attn.v_proj, self.self_attn.o_proj, self.mlp.gate_proj, self.mlp.up_proj,
+                                self.mlp.down_proj)
+            if plan.deepnorm_init == "deepnet":  # DeepNet: value, output and FFN projections get beta = (8L)^(-1/4)
+                _scale_init_std(value_output_mlp, (8 * plan.deepnorm_num_layers) ** -0.25)
+            else:  # the reference code: Xavier-normal, gain (8L)^(+1/4) on v, o and the MLP, gain 1 on q and k
+                for linear in value_output_mlp:
+                    linear.init_xavier_gain = (8 * plan.deepnorm_num_layers) ** 0.25
+                for linear in (self.self_attn.q_proj, self.self_attn.k_proj):
+                    linear.init_xavier_gain = 1.0
 
     #   x ──► attn_residual(x, Attn, input_layernorm) ──► h ──► mlp_residual(h, MLP, post_attention_layernorm) ──► out
     #
@@ -283,10 +406,21 @@ class DecoderLayer(nn.Module):
     #   lns         h = x + Attn(N1(x) / sqrt(l))           out = h + MLP(N2(h) / sqrt(l))
     #   post        h = N1(x + Attn(x))                     out = N2(h + MLP(h))
     #   deepnorm    h = N1(alpha * x + Attn(x))             out = N2(alpha * h + MLP(h))
-    #   layerscale  h = x + lambda1 * Attn(N1(x))           out = h + lambda2 * MLP(N2(h))
+    #   layerscale  h = x + g1 * Attn(N1(x))                out = h + g2 * MLP(N2(h))      g per channel or scalar
+    #   skipinit    h = x + g1 * Attn(N1(x))                out = h + g2 * MLP(N2(h))      scalar g, starts at 0
+    #   completep   h = x + L^-a * Attn(N1(x))              out = h + L^-a * MLP(N2(h))
+    #   peri        h = x + O1(Attn(N1(x)))                 out = h + O2(MLP(N2(h)))  O: residual.output_norm
+    #   peri_lns    h = x + O1(Attn(N1(x) / sqrt(l)))       out = h + O2(MLP(N2(h) / sqrt(l)))
+    #   reordered   h = x + N1(Attn(x))                     out = h + N2(MLP(h))
+    #   dyt         as pre, with every norm (the final one too) DyT(x) = w * tanh(alpha * x) + b
     def forward(self, x: torch.Tensor, rope, mask: torch.Tensor | None) -> torch.Tensor:
         h = self.attn_residual(x, lambda y: self.self_attn(y, rope, mask), self.input_layernorm)
         return self.mlp_residual(h, self.mlp, self.post_attention_layernorm)
+
+
+def _scale_init_std(linears, factor: float):
+    for linear in linears:
+        linear.init_std_factor = getattr(linear, "init_std_factor", 1.0) * factor
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -306,12 +440,20 @@ class LlamaPreTrainedModel(PreTrainedModel):
         # transformers.initialization skips parameters already loaded by from_pretrained.
         std = self.config.initializer_range
         if isinstance(module, nn.Linear):
-            init.normal_(module.weight, mean=0.0, std=std * getattr(module, "init_std_factor", 1.0))
+            factor = getattr(module, "init_std_factor", 1.0)
+            if hasattr(module, "init_xavier_gain"):
+                init.xavier_normal_(module.weight, gain=module.init_xavier_gain * factor)
+            else:
+                init.normal_(module.weight, mean=0.0, std=std * factor)
         elif isinstance(module, nn.Embedding):
-            init.normal_(module.weight, mean=0.0, std=std)
+            init.normal_(module.weight, mean=0.0, std=layer_plan(self.config).embed_init_std)
         elif isinstance(module, RMSNorm):
             init.ones_(module.weight)
-        elif isinstance(module, LayerScaleResidual):
+        elif isinstance(module, DyT):
+            init.constant_(module.alpha, module.alpha_init)
+            init.ones_(module.weight)
+            init.zeros_(module.bias)
+        elif isinstance(module, GatedPreNorm):
             init.constant_(module.gain, module.init_value)
 
 
@@ -322,7 +464,7 @@ class LlamaModel(LlamaPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, getattr(config, "pad_token_id", None))
         self.layers = nn.ModuleList(DecoderLayer(config, i, plan) for i in range(config.num_hidden_layers))
         # Applied after every variant, Post-LN included (as in the reference): it keeps one parameter layout for all.
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = make_norm(plan.final_norm, config, plan.dyt_alpha_init[1])
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(head_dim, _rope_theta(config))
         self.gradient_checkpointing = False
@@ -404,13 +546,32 @@ LlamaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 # Export to stock transformers
 # --------------------------------------------------------------------------------------------------------------------
 
-EXPORTABLE_PLACEMENTS = ("pre", "lns")
+EXPORTABLE_PLACEMENTS = ("pre", "lns", "layerscale", "skipinit", "completep")
+_OUR_CONFIG_KEYS = ("norm_type", "post_num", "init_method", "layer_norm_types", "layer_depths", "deepnorm_num_layers",
+                    "auto_map", "layerscale_form", "layerscale_init", "completep_alpha", "deepnorm_init",
+                    "embed_init_std", "dyt_alpha_init")
+
+
+def _stock_llama_factors(residual: nn.Module) -> tuple[float, torch.Tensor | float]:
+    """(factor on the block norm's gain, factor on the branch output) turning a Pre-LN-shaped placement into stock
+    Llama: x + b * F(s * N(x)) = x + F'(N'(x)) with N' = s * N and the rows of F's output projection times b."""
+    if isinstance(residual, ScaledPreNorm):
+        return residual.scale, 1.0
+    if isinstance(residual, GatedPreNorm):
+        return 1.0, residual.gain.detach()[:, None]
+    if isinstance(residual, DepthScaledBranch):
+        return 1.0, residual.multiplier
+    return 1.0, 1.0
 
 
 def export_to_hf_llama(model: LlamaForCausalLM):
-    """A stock `transformers.LlamaForCausalLM` computing the same function as a pre or lns `model`.
+    """A stock `transformers.LlamaForCausalLM` computing the same function as `model` (placements in
+    EXPORTABLE_PLACEMENTS).
 
-    LNS's 1/sqrt(l) multiplies the norm output after its gain, so it folds exactly into the two gains of layer l.
+    LNS's 1/sqrt(l) multiplies the norm output after its gain, so it folds exactly into the two gains of layer l;
+    LayerScale/SkipInit gates and CompleteP's L^-alpha multiply the branch output, so they fold into the rows of
+    o_proj and down_proj. The other placements (post, deepnorm, peri, peri_lns, reordered, dyt) have no stock-Llama
+    form: they load with trust_remote_code=True.
     """
     from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
@@ -422,16 +583,19 @@ def export_to_hf_llama(model: LlamaForCausalLM):
             f"{', '.join(EXPORTABLE_PLACEMENTS)}); load it with AutoModelForCausalLM(..., trust_remote_code=True)"
         )
     config = LlamaConfig.from_dict(model.config.to_dict())
-    for key in ("norm_type", "post_num", "init_method", "layer_norm_types", "layer_depths", "deepnorm_num_layers",
-                "auto_map", "layerscale_init"):
+    for key in _OUR_CONFIG_KEYS:
         if hasattr(config, key):
             delattr(config, key)
     config.architectures = ["LlamaForCausalLM"]
     state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     for i, layer in enumerate(model.model.layers):
-        for norm_name, residual in (("input_layernorm", layer.attn_residual),
-                                    ("post_attention_layernorm", layer.mlp_residual)):
-            state[f"model.layers.{i}.{norm_name}.weight"] *= getattr(residual, "scale", 1.0)
+        for norm_name, output_name, residual in (
+                ("input_layernorm", "self_attn.o_proj", layer.attn_residual),
+                ("post_attention_layernorm", "mlp.down_proj", layer.mlp_residual)):
+            norm_factor, branch_factor = _stock_llama_factors(residual)
+            state[f"model.layers.{i}.{norm_name}.weight"] *= norm_factor
+            state[f"model.layers.{i}.{output_name}.weight"] *= branch_factor
+    state = {name: tensor for name, tensor in state.items() if "_residual." not in name}  # the gates, now folded
     hf_model = HFLlamaForCausalLM(config).to(next(model.parameters()).dtype)
     hf_model.load_state_dict(state, strict=True)
     return hf_model.eval()

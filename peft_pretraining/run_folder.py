@@ -33,7 +33,7 @@ LOCK_WAIT_S = 1.0  # a second process probing the lock holds it for microseconds
 
 _CHECKPOINT = re.compile(rf"{CHECKPOINT_PREFIX}(\d+)")
 _OLD_CHECKPOINT = re.compile(rf"\.{CHECKPOINT_PREFIX}(\d+)\.old")
-_PARTIAL_CHECKPOINT = re.compile(rf"\.{CHECKPOINT_PREFIX}\d+\.tmp")
+_PARTIAL_CHECKPOINT = re.compile(rf"\.{CHECKPOINT_PREFIX}\d+(\.sharded)?\.tmp")  # .sharded.tmp: an FSDP save's shards
 _TEMP_FILES = ("metrics.jsonl.tmp", ".results.json.tmp")
 _NO_SPACE_MESSAGES = ("no space left on device", "os error 28", "disk quota exceeded")
 _TORCH_WRITE_FAILURES = ("unexpected pos", "file write failed", "iostream error")

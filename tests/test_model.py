@@ -9,6 +9,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
 from peft_pretraining.modeling_llama import (
+    DEFAULT_LAYERSCALE_INIT,
+    EXPORTABLE_PLACEMENTS,
     INIT_METHODS,
     NORM_TYPES,
     LlamaForCausalLM,
@@ -36,6 +38,8 @@ def random_tokens(batch=2, length=24, vocab=8192, seed=1):
 @pytest.mark.parametrize("norm_type", NORM_TYPES)
 def test_every_variant_trains(norm_type, init_method):
     model = tiny_model(norm_type, init_method=init_method).train()
+    if norm_type == "skipinit":  # a zero gate passes no gradient into its branch by design: open the gates first
+        open_gates(model)
     tokens = random_tokens()
     out = model(tokens, labels=tokens, output_hidden_states=True)
     assert torch.isfinite(out.loss)
@@ -44,6 +48,15 @@ def test_every_variant_trains(norm_type, init_method):
     out.loss.backward()
     dead = [name for name, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
     assert dead == [], f"parameters without gradient under {norm_type}: {dead}"
+
+
+def open_gates(model, seed=0):
+    """Random non-zero LayerScale/SkipInit gates, so that a gate folded or dropped by mistake shows."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("residual.gain"):
+                p.copy_(torch.rand(p.shape, generator=generator) + 0.5)
 
 
 def test_parameter_names_match_hf():
@@ -202,8 +215,9 @@ def test_save_and_load_round_trip(norm_type, tmp_path):
 
 @pytest.mark.parametrize("norm_type", NORM_TYPES)
 def test_export_to_stock_hf(norm_type, tmp_path):
-    model = tiny_model(norm_type)
-    if norm_type not in ("pre", "lns"):
+    model = tiny_model(norm_type, initializer_range=0.1)
+    open_gates(model)
+    if norm_type not in EXPORTABLE_PLACEMENTS:
         with pytest.raises(ValueError, match="trust_remote_code"):
             export_to_hf_llama(model)
         return
@@ -248,3 +262,81 @@ def test_activation_checkpointing_gives_the_same_gradients():
         model(tokens, labels=tokens).loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-6)
+
+
+def test_cod_is_an_alias_of_lns(tmp_path):
+    assert build_config(TINY, norm_type="COD").norm_type == "lns"
+    lns = tiny_model("lns")
+    lns.config.norm_type = "cod"  # a checkpoint config written by the paper's uploaded code's naming
+    lns.save_pretrained(tmp_path)
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    assert [layer.placement for layer in reloaded.model.layers] == ["lns"] * 4
+    tokens = random_tokens()
+    torch.testing.assert_close(reloaded(tokens).logits, lns(tokens).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("form", ["channel", "scalar"])
+def test_layerscale_forms_and_defaults(form):
+    model = tiny_model("layerscale", layerscale_form=form)
+    gains = [p for n, p in model.named_parameters() if n.endswith("residual.gain")]
+    size = model.config.hidden_size if form == "channel" else 1
+    assert len(gains) == 2 * 4 and all(g.shape == (size,) for g in gains)
+    assert all(torch.all(g == DEFAULT_LAYERSCALE_INIT[form]) for g in gains)
+
+
+def test_skipinit_starts_every_block_as_the_identity():
+    model = tiny_model("skipinit", initializer_range=0.2)
+    hidden = model(random_tokens(), output_hidden_states=True).hidden_states
+    for before, after in zip(hidden[:-2], hidden[1:-1]):
+        torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+def test_depth_scaled_init_follows_each_layers_depth():
+    model = LlamaForCausalLM(build_config(TINY_DEEP, init_method="depth_scaled"))
+    std = model.config.initializer_range
+    for depth, layer in enumerate(model.model.layers, start=1):
+        for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            assert linear.weight.std().item() == pytest.approx(std / math.sqrt(2 * depth), rel=0.1)
+        for linear in (layer.self_attn.q_proj, layer.mlp.up_proj, layer.mlp.gate_proj):
+            assert linear.weight.std().item() == pytest.approx(std, rel=0.1)
+
+
+def test_deepnorm_reference_init_is_xavier_with_the_references_gains():
+    config = build_config(TINY, norm_type="deepnorm", deepnorm_init="reference", num_hidden_layers=6)
+    torch.manual_seed(0)
+    layer = LlamaForCausalLM(config).model.layers[0]
+    gain = (8 * 6) ** 0.25
+    for linear, expected_gain in ((layer.self_attn.q_proj, 1.0), (layer.self_attn.k_proj, 1.0),
+                                  (layer.self_attn.v_proj, gain), (layer.self_attn.o_proj, gain),
+                                  (layer.mlp.gate_proj, gain), (layer.mlp.up_proj, gain), (layer.mlp.down_proj, gain)):
+        fan_out, fan_in = linear.weight.shape
+        xavier_std = expected_gain * math.sqrt(2 / (fan_in + fan_out))
+        assert linear.weight.std().item() == pytest.approx(xavier_std, rel=0.1)
+
+
+@pytest.mark.parametrize("embed_init_std", [None, math.sqrt(2 / 5)])
+def test_embedding_init_std(embed_init_std):
+    model = tiny_model("pre", embed_init_std=embed_init_std)
+    expected = model.config.initializer_range if embed_init_std is None else embed_init_std
+    assert model.model.embed_tokens.weight.std().item() == pytest.approx(expected, rel=0.05)
+    assert model.lm_head.weight.std().item() == pytest.approx(model.config.initializer_range, rel=0.05)
+
+
+def test_dyt_replaces_every_norm_with_the_documented_alpha0():
+    model = tiny_model("dyt", dyt_alpha_init=[0.7, 0.3])
+    layer = model.model.layers[0]
+    assert layer.input_layernorm.alpha.item() == pytest.approx(0.7)
+    assert layer.post_attention_layernorm.alpha.item() == pytest.approx(0.3)
+    assert model.model.norm.alpha.item() == pytest.approx(0.3)
+    assert not any(isinstance(m, type(tiny_model("pre").model.norm)) for m in model.modules())
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(norm_type="layerscale", layerscale_form="vector"), "layerscale_form"),
+    (dict(norm_type="completep", completep_alpha=float("nan")), "completep_alpha"),
+    (dict(norm_type="deepnorm", deepnorm_init="xavier"), "deepnorm_init"),
+    (dict(embed_init_std=-1.0), "embed_init_std"),
+])
+def test_bad_option_values_raise(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        build_config(TINY, **kwargs)

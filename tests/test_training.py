@@ -275,6 +275,10 @@ BASE = ["--model_config", "configs/llama_tiny.json", "--batch_size", "4"]
     (["--warmup_steps", "50", "--num_training_steps", "50"], "--warmup_steps"),
     (["--norm_type", "post_pre"], "--post_num"),
     (["--keep_last", "0"], "--keep_last"),
+    (["--layerscale_form", "vector"], "--layerscale_form"),
+    (["--completep_alpha", "nan"], "--completep_alpha"),
+    (["--embed_init_std", "0"], "--embed_init_std"),
+    (["--deepnorm_init", "xavier"], "--deepnorm_init"),
 ])
 def test_bad_values_are_one_line_errors_naming_the_flag(extra, flag, monkeypatch, capsys):
     monkeypatch.chdir(REPO)
@@ -292,7 +296,9 @@ def test_environment_norm_type_is_case_insensitive_and_flags_win(monkeypatch):
     args = args_utils.parse_args(BASE, world_size=1)
     assert (args.norm_type, args.post_num) == ("lns", 3)
     assert args_utils.parse_args([*BASE, "--norm_type", "Post_Pre"], world_size=1).norm_type == "post_pre"
-    monkeypatch.setenv("NORM_TYPE", "cod")
+    monkeypatch.setenv("NORM_TYPE", "cod")  # the paper's uploaded code's name for LNS
+    assert args_utils.parse_args(BASE, world_size=1).norm_type == "lns"
+    monkeypatch.setenv("NORM_TYPE", "lnsx")
     with pytest.raises(SystemExit):
         args_utils.parse_args(BASE, world_size=1)
 
@@ -363,3 +369,85 @@ def test_vocab_is_resized_up_to_cover_the_tokenizer(tmp_path, monkeypatch):
     config = torchrun_main.build_model_config(args, tokenizer, messages.append)
     assert config.vocab_size == math.ceil(len(tokenizer) / 64) * 64 >= len(tokenizer)
     assert len(messages) == 1 and str(config.vocab_size) in messages[0]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Baselines and rivals: each trains through torchrun_main.main (in process) and is recorded in the checkpoint
+# --------------------------------------------------------------------------------------------------------------
+
+BASELINE_ARMS = {
+    "skipinit": ["--norm_type", "skipinit"],
+    "depth_scaled": ["--init_method", "depth_scaled"],
+    "layerscale_scalar": ["--norm_type", "layerscale", "--layerscale_form", "scalar"],
+    "peri": ["--norm_type", "peri"],
+    "peri_lns": ["--norm_type", "peri_lns"],
+    "reordered": ["--norm_type", "reordered"],
+    "dyt": ["--norm_type", "dyt"],
+    "completep_half": ["--norm_type", "completep", "--completep_alpha", "0.5"],
+    "cod": ["--norm_type", "cod"],
+    "deepnorm_reference": ["--norm_type", "deepnorm", "--deepnorm_init", "reference"],
+    "embed_init": ["--embed_init_std", "0.632"],
+}
+TWO_STEPS = [*TINY, "--lr", "3e-3", "--warmup_steps", "0", "--num_training_steps", "2", "--eval_every", "2",
+             "--eval_tokens", "200", "--save_every", "2"]
+
+
+def train_in_process(extra, run_dir, monkeypatch):
+    import torchrun_main
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv("NORM_TYPE", raising=False)
+    monkeypatch.delenv("POST_NUM", raising=False)
+    return torchrun_main.main([*TWO_STEPS, *extra, "--save_dir", str(run_dir)])
+
+
+@pytest.mark.parametrize("arm", BASELINE_ARMS)
+def test_each_baseline_trains_and_its_checkpoint_rebuilds_it(arm, tmp_path, monkeypatch):
+    from utils import model_io
+
+    extra = BASELINE_ARMS[arm]
+    run_dir = tmp_path / "run"
+    assert train_in_process(extra, run_dir, monkeypatch) == 0
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["status"] == "finished" and math.isfinite(results["final_eval_loss"])
+    assert all(math.isfinite(row["loss"]) for row in read_jsonl(run_dir / "metrics.jsonl"))
+    saved = json.loads((run_dir / "model_2" / "config.json").read_text())
+    for flag, value in zip(extra[::2], extra[1::2]):
+        recorded = saved[flag.removeprefix("--")]
+        assert (recorded == "lns" if value == "cod" else str(recorded) == value), (flag, recorded)
+    assert all(option in saved for option in args_utils.MODEL_OPTIONS)
+    # The analysis tools rebuild the trained function from the checkpoint alone.
+    model = model_io.load_model(str(run_dir / "model_2"))
+    state = load_file(str(run_dir / "model_2" / "model.safetensors"))
+    assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in state.items())
+
+
+def test_resume_refuses_a_different_baseline_option(tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    assert train_in_process(["--norm_type", "completep"], run_dir, monkeypatch) == 0
+    capsys.readouterr()
+    code = train_in_process(["--continue_from", str(run_dir / "model_2"), "--num_training_steps", "4",
+                             "--completep_alpha", "0.5"], run_dir, monkeypatch)
+    assert code == 2
+    error = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(error) == 1 and "--completep_alpha" in error[0]
+
+
+def test_a_rival_that_spikes_stops_as_diverged(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    assert train_in_process(["--norm_type", "peri", "--divergence_loss", "0.01"], run_dir, monkeypatch) == EXIT_DIVERGED
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["status"] == "diverged" and results["step"] == 1 and not list(run_dir.glob("model_*"))
+
+
+def test_a_checkpoint_config_saying_cod_resumes_as_lns(tmp_path):
+    import torchrun_main
+
+    config = build_config(REPO / "configs" / "llama_tiny.json", norm_type="lns")
+    saved = dict(config.to_dict(), norm_type="cod")
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    args = args_utils.build_parser().parse_args(["--batch_size", "1", "--model_config", "unused"])
+    torchrun_main.check_checkpoint_matches(args, config, str(tmp_path))  # no BadInput: cod is lns
+    config.norm_type = "pre"
+    with pytest.raises(torchrun_main.BadInput, match="--norm_type"):
+        torchrun_main.check_checkpoint_matches(args, config, str(tmp_path))

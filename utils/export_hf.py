@@ -1,4 +1,7 @@
-"""Export a pre or lns checkpoint of ours to a stock `transformers.LlamaForCausalLM` directory.
+"""Export a checkpoint of ours to a stock `transformers.LlamaForCausalLM` directory.
+
+Works for pre, lns, layerscale, skipinit and completep (LNS factors, gates and L^-alpha are folded into the weights);
+the other placements have no stock form and load with trust_remote_code=True instead.
 
     python utils/export_hf.py --checkpoint runs/tiny-lns/final --out exported/tiny-lns
 
