@@ -70,14 +70,14 @@ ARM_BY_NAME = {arm.name: arm for arm in ARMS}
 BUDGETS = {
     "default": dict(model_config="configs/llama_tiny_deep.json", steps=1200, warmup=60, batch_size=16,
                     max_length=128, eval_tokens=65_536, seeds=(1, 2, 3), dynamics_points=5,
-                    groups=("core", "precision", "norms"), stream_tokens=16_384, jacobian_tokens=32,
-                    removal_documents=24, out="docs/study", runs_dir="runs/study"),
+                    groups=("core", "precision", "norms"), stream_tokens=16_384, jacobian_tokens=48,
+                    jacobian_probes=8, removal_documents=24, out="docs/study", runs_dir="runs/study"),
     "rivals": dict(groups=("core", "precision", "norms", "rivals")),  # the default budget plus the rivals
     "long": dict(steps=4800, warmup=240, groups=("core",), out="docs/study_long", runs_dir="runs/study_long"),
     "quick": dict(model_config="configs/llama_tiny.json", steps=6, warmup=1, batch_size=4, max_length=64,
                   eval_tokens=1_024, seeds=(1, 2), dynamics_points=2, groups=("core", "precision", "norms"),
-                  stream_tokens=512, jacobian_tokens=4, removal_documents=2, out="runs/study_quick/report",
-                  runs_dir="runs/study_quick"),
+                  stream_tokens=512, jacobian_tokens=4, jacobian_probes=0, removal_documents=2,
+                  out="runs/study_quick/report", runs_dir="runs/study_quick"),
 }
 
 
@@ -149,7 +149,8 @@ def run_specs(args, arms: list[Arm]) -> list[RunSpec]:
 def analysis_settings(args) -> AnalysisSettings:
     s = args.settings
     return AnalysisSettings(max_seq_len=s["max_length"], stream_tokens=s["stream_tokens"],
-                            jacobian_tokens=s["jacobian_tokens"], removal_documents=s["removal_documents"])
+                            jacobian_tokens=s["jacobian_tokens"], jacobian_probes=s["jacobian_probes"],
+                            removal_documents=s["removal_documents"])
 
 
 def run_all(args, specs: list[RunSpec]) -> tuple[dict, list[RunSpec]]:
@@ -170,7 +171,7 @@ CORE_CLAIMS = [
     ("Pre-LN's residual variance grows more with depth than LNS's (ratio of the growths)", "variance_growth", -1,
      True),
     ("Deep Pre-LN layers are closer to their successor: LNS's deep d(l, l+1) is larger", "angular_deep", +1, False),
-    ("Deep Pre-LN blocks are closer to the identity: LNS's deep ||J - I|| is larger", "jacobian_deep", +1, False),
+    ("Deep Pre-LN blocks are closer to the identity: LNS's deep ‖J − I‖ is larger", "jacobian_deep", +1, False),
 ]
 REMOVAL_CLAIM = "Removing a deep Pre-LN layer costs less than removing a deep LNS layer (nats/word)"
 

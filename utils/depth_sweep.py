@@ -34,10 +34,11 @@ BASE_CONFIG = "configs/llama_tiny.json"
 BUDGETS = {
     "default": dict(depths=(6, 12, 24, 48, 96), steps=600, warmup=30, batch_size=16, max_length=128,
                     eval_tokens=32_768, seeds=(1, 2, 3), dynamics_points=3, stream_tokens=8_192,
-                    jacobian_tokens=16, removal_documents=16, out="docs/depth_sweep", runs_dir="runs/depth_sweep"),
+                    jacobian_tokens=32, jacobian_probes=8, removal_documents=16, out="docs/depth_sweep",
+                    runs_dir="runs/depth_sweep"),
     "long": dict(steps=1800, warmup=90, out="docs/depth_sweep_long", runs_dir="runs/depth_sweep_long"),
     "quick": dict(depths=(2, 4), steps=4, warmup=1, batch_size=4, max_length=64, eval_tokens=512, seeds=(1, 2),
-                  dynamics_points=2, stream_tokens=256, jacobian_tokens=2, removal_documents=2,
+                  dynamics_points=2, stream_tokens=256, jacobian_tokens=2, jacobian_probes=0, removal_documents=2,
                   out="runs/depth_sweep_quick/report", runs_dir="runs/depth_sweep_quick"),
 }
 PREDICTIONS = [
@@ -333,6 +334,7 @@ def main(argv=None) -> int:
     specs = run_specs(args)
     settings = AnalysisSettings(max_seq_len=args.settings["max_length"], stream_tokens=args.settings["stream_tokens"],
                                 jacobian_tokens=args.settings["jacobian_tokens"],
+                                jacobian_probes=args.settings["jacobian_probes"],
                                 removal_documents=args.settings["removal_documents"])
     records_dir = args.out / "runs"
     if args.report_only:

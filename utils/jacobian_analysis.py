@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results = []
     for label, model_path in models:
         model, tokenizer = model_io.load_model_and_tokenizer(model_path, dtype, device, args.tokenizer)
-        max_seq_len = model_io.resolve_context_length(model, args.max_seq_len)
+        max_seq_len = model_io.resolve_context_length(model, args.max_seq_len, fallback=model_io.HUB_STREAM_WINDOW)
         try:
             windows = model_io.token_windows(tokenizer, model_io.iter_documents(source), max_seq_len, sys.maxsize)
             samples = sample_tokens(windows, args.num_tokens, args.tokens_per_window, args.seed)

@@ -44,6 +44,7 @@ class AnalysisSettings:
     max_seq_len: int  # the trained context length: every analysis stays inside it
     stream_tokens: int  # held-out tokens for the variance and angular tools
     jacobian_tokens: int  # held-out tokens whose block Jacobians are averaged
+    jacobian_probes: int  # 0: exact Jacobians; K: K random probes per token (unbiased, about d/K times cheaper)
     removal_documents: int  # held-out documents for the layer-removal sweep
 
 
@@ -258,7 +259,8 @@ def analyse_checkpoint(checkpoint: Path, settings: AnalysisSettings, out_dir: Pa
                                   "--output_dir", str(out_dir / "angular")], log)
     angular = json.loads((out_dir / "angular" / "angular_distance.json").read_text())["angular_distance"]
     _tool(jacobian_analysis.main, ["--model_path", str(checkpoint), *text, "--num_tokens",
-                                   str(settings.jacobian_tokens), "--output_dir", str(out_dir / "jacobian")], log)
+                                   str(settings.jacobian_tokens), "--probes", str(settings.jacobian_probes),
+                                   "--output_dir", str(out_dir / "jacobian")], log)
     with (out_dir / "jacobian" / "jacobian.csv").open() as handle:  # columns fixed by the tool's contract
         jacobian = sorted(csv.DictReader(handle), key=lambda row: int(row["layer"]))
     _tool(layer_remove.main, ["--model_path", str(checkpoint), "--sweep", "--tasks", "heldout_novel_ppl",
@@ -327,7 +329,7 @@ MEASURES = {
     "angular_deep": "deep-half angular distance d(l, l+1)/pi",
     "removal_deep": "deep-half removal cost (nats/word)",
     "cheap_removal_fraction": "fraction of layers with removal cost < 1% ppl",
-    "jacobian_deep": "deep-half ||J - I||_F / sqrt(d)",
+    "jacobian_deep": "deep-half ‖J − I‖_F / √d",
     "norm_gain_mean": "mean norm gain (all layers)",
 }
 
@@ -408,7 +410,7 @@ def plot_layer_profiles(records: dict[str, dict], arms: dict[str, str], path: Pa
     """Per-layer measures at each run's last analysed checkpoint, mean over seeds."""
     plt = pyplot()
     panels = [("variance", "residual variance (0 = embeddings)", True), ("angular_next", "d(l, l+1)/pi", False),
-              ("jacobian_rel_identity_dev", "||J - I||_F / sqrt(d)", False),
+              ("jacobian_rel_identity_dev", "‖J − I‖_F / √d", False),
               ("removal_nats", "removal cost (nats/word)", False)]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.4))
     for ax, (key, title, log_scale) in zip(axes, panels):
