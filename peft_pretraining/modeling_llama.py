@@ -157,13 +157,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 CPU_MATH_SDPA_MAX_LEN = 512
 
 
-def sdpa_backends(q: torch.Tensor, seq_len: int):
+def sdpa_kernel_for(q: torch.Tensor, seq_len: int):
     """A context restricting SDPA to the kernel measured fastest for this device, compute dtype and length."""
-    device_type = q.device.type
-    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else q.dtype
-    if device_type == "cpu" and dtype in (torch.bfloat16, torch.float16) and seq_len <= CPU_MATH_SDPA_MAX_LEN:
-        return sdpa_kernel(SDPBackend.MATH)
-    return contextlib.nullcontext()
+    if q.device.type != "cpu" or seq_len > CPU_MATH_SDPA_MAX_LEN:
+        return contextlib.nullcontext()
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
+    return sdpa_kernel(SDPBackend.MATH) if dtype in (torch.bfloat16, torch.float16) else contextlib.nullcontext()
 
 
 class Attention(nn.Module):
@@ -185,7 +184,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        with sdpa_backends(q, seq_len):
+        with sdpa_kernel_for(q, seq_len):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.num_kv_heads != self.num_heads
             )

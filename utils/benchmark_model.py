@@ -153,7 +153,7 @@ def model_section(args, before_module) -> list[dict]:
                 rows.append({"config": config_path.name, "batch": int(batch), "seq_len": int(seq_len),
                              "dtype": dtype, "model": name, "mode": mode,
                              **{f"tokens_per_s_{k}": round(v, 1) for k, v in stats.items() if k != "n"},
-                             "repeats": stats["n"]})
+                             "repeats": stats["n"], "per_repeat": [round(v, 1) for v in values]})
     return rows
 
 
@@ -206,7 +206,7 @@ def trainer_section(args) -> list[dict]:
                      "dtype": args.trainer_dtype, "threads": args.trainer_threads, "steps": args.trainer_steps,
                      **{f"tokens_per_s_{k}": round(v, 1) for k, v in stats.items() if k != "n"},
                      "wall_s_median": round(statistics.median(r["wall_s"] for r in runs_of_variant), 1),
-                     "repeats": stats["n"]})
+                     "repeats": stats["n"], "per_repeat": [round(r["tokens_per_s"], 1) for r in runs_of_variant]})
     return rows
 
 
@@ -247,6 +247,7 @@ def print_table(rows, columns):
 
 
 def write_csv(path: Path, rows):
+    rows = [{k: v for k, v in row.items() if k != "per_repeat"} for row in rows]
     if rows:
         with path.open("w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
