@@ -46,6 +46,7 @@ from peft_pretraining.training_utils import build_optimizer  # noqa: E402
 STUDY_CONFIG = "configs/llama_tiny_deep.json"
 MODELS = ("ours", "before", "hf")
 DTYPES = ("float32", "mixed")
+TRAINER_VARIANTS = {"eager": [], "compile": ["--compile"]}
 # The study's trainer flags (utils/compare_norms.py), minus the budget.
 STUDY_FLAGS = ["--dataset", "embedded", "--tokenizer", "embedded", "--max_length", "128", "--batch_size", "16",
                "--total_batch_size", "16", "--lr", "1e-3", "--warmup_steps", "2", "--grad_clipping", "1.0",
@@ -188,21 +189,21 @@ def run_trainer(tree: Path, args, extra_flags: list[str], out_dir: Path) -> dict
 
 def trainer_section(args) -> list[dict]:
     trees = {"before": extract_revision(args.before), "after": REPO}
-    variants = [(tree, flags) for tree in trees for flags in args.trainer_variants]
+    variants = [(tree, variant) for tree in trees for variant in args.trainer_variants]
     results = {variant: [] for variant in variants}
     with tempfile.TemporaryDirectory(prefix="trainer_runs_") as runs:
         progress = tqdm(total=args.trainer_repeats * len(variants), desc="trainer runs", leave=False)
         for repeat in range(args.trainer_repeats):
-            for tree, flags in variants:
-                out_dir = Path(runs) / f"{tree}-{flags.replace(' ', '_') or 'default'}-{repeat}"
-                results[(tree, flags)].append(run_trainer(trees[tree], args, flags.split(), out_dir))
+            for tree, variant in variants:
+                out_dir = Path(runs) / f"{tree}-{variant}-{repeat}"
+                results[(tree, variant)].append(run_trainer(trees[tree], args, TRAINER_VARIANTS[variant], out_dir))
                 progress.update(1)
         progress.close()
     rows = []
-    for (tree, flags), runs_of_variant in results.items():
+    for (tree, variant), runs_of_variant in results.items():
         stats = spread([r["tokens_per_s"] for r in runs_of_variant])
         rows.append({"tree": tree, "revision": args.before if tree == "before" else "working tree",
-                     "flags": flags or "(none)", "config": Path(args.trainer_config).name,
+                     "variant": variant, "config": Path(args.trainer_config).name,
                      "dtype": args.trainer_dtype, "threads": args.trainer_threads, "steps": args.trainer_steps,
                      **{f"tokens_per_s_{k}": round(v, 1) for k, v in stats.items() if k != "n"},
                      "wall_s_median": round(statistics.median(r["wall_s"] for r in runs_of_variant), 1),
@@ -230,10 +231,11 @@ def ratios(model_rows, trainer_rows) -> dict:
                 if best_hf:
                     out[f"{config} {dtype}: ours fastest ({best_ours['mode']}) / hf compiled"] = round(
                         best_ours["tokens_per_s_median"] / best_hf[0]["tokens_per_s_median"], 3)
-    before = {r["flags"]: r["tokens_per_s_median"] for r in trainer_rows if r["tree"] == "before"}
+    before = {r["variant"]: r["tokens_per_s_median"] for r in trainer_rows if r["tree"] == "before"}
     for r in trainer_rows:
-        if r["tree"] == "after" and before.get("(none)"):
-            out[f"trainer after [{r['flags']}] / before [(none)]"] = round(r["tokens_per_s_median"] / before["(none)"], 3)
+        for variant, rate in before.items():
+            if r["tree"] == "after":
+                out[f"trainer after {r['variant']} / before {variant}"] = round(r["tokens_per_s_median"] / rate, 3)
     return out
 
 
@@ -273,15 +275,15 @@ def parse_args(argv=None):
     parser.add_argument("--trainer_warmup", type=int, default=2, help="updates left out of the trainer's median")
     parser.add_argument("--trainer_repeats", type=int, default=3)
     parser.add_argument("--trainer_threads", type=int, default=1, help="OMP_NUM_THREADS of each trainer run")
-    parser.add_argument("--trainer_variants", nargs="+", default=["", "--compile"],
-                        help="extra trainer flags per variant, each run for both trees ('' = none)")
+    parser.add_argument("--trainer_variants", nargs="+", default=list(TRAINER_VARIANTS), choices=TRAINER_VARIANTS,
+                        help="eager: the trainer's defaults; compile: with --compile; each run for both trees")
     parser.add_argument("--out", default=str(REPO / "runs" / "benchmark_model"))
     parser.add_argument("--quick", action="store_true", help="tiny config and budget: checks that everything runs")
     args = parser.parse_args(argv)
     if args.quick:
         args.shapes, args.modes, args.repeats, args.steps = ["configs/llama_tiny.json:2:32"], ["eager"], 1, 1
         args.trainer_config, args.trainer_steps, args.trainer_warmup = "configs/llama_tiny.json", 3, 1
-        args.trainer_repeats, args.trainer_variants = 1, [""]
+        args.trainer_repeats, args.trainer_variants = 1, ["eager"]
     for shape in args.shapes:
         parts = shape.split(":")
         if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
@@ -314,7 +316,7 @@ def main(argv=None):
     print_table(model_rows, ["config", "batch", "seq_len", "dtype", "model", "mode", "tokens_per_s_median",
                              "tokens_per_s_min", "tokens_per_s_max"])
     print("\ntrainer (tokens/s from metrics.jsonl; median over runs of the per-run median)")
-    print_table(trainer_rows, ["tree", "flags", "dtype", "threads", "tokens_per_s_median", "tokens_per_s_min",
+    print_table(trainer_rows, ["tree", "variant", "dtype", "threads", "tokens_per_s_median", "tokens_per_s_min",
                                "tokens_per_s_max", "wall_s_median"])
     print("\nratios of medians")
     for key, value in summary.items():
