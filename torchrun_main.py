@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from peft_pretraining import args_utils, checkpointing, run_folder, training_utils
 from peft_pretraining.dataloader import (
+    IGNORE_INDEX,
     build_train_stream,
     check_vocab_covers_tokenizer,
     iter_eval_batches,
@@ -165,6 +166,17 @@ def grad_sync(model, is_last_micro_batch: bool):
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
         model.set_requires_gradient_sync(is_last_micro_batch)
     return contextlib.nullcontext()
+
+
+def causal_mask_suffices(batch: dict) -> bool:
+    """True when every row is real tokens then padding, and no pad is a label (checked on the CPU copy).
+
+    A causal mask alone then gives the same loss and gradients as the padding mask: a real token only sees earlier
+    tokens, all real, and what the pad positions compute reaches no loss term.
+    """
+    mask, labels = batch["attention_mask"], batch["labels"]
+    right_padded = bool((mask[:, 1:] <= mask[:, :-1]).all())
+    return right_padded and bool((labels[mask == 0] == IGNORE_INDEX).all())
 
 
 @contextlib.contextmanager
@@ -390,8 +402,11 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         tokens_in_update = torch.zeros((), dtype=torch.int64, device=device)
         for micro in range(args.gradient_accumulation):
-            batch = {k: v.to(device, non_blocking=True) for k, v in next(stream).items()}
+            batch = next(stream)
             tokens_in_update += batch["attention_mask"].sum()
+            if causal_mask_suffices(batch):
+                del batch["attention_mask"]  # the model then takes SDPA's is_causal path
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             with grad_sync(train_model, micro == args.gradient_accumulation - 1):
                 with autocast():
                     loss = train_model(**batch).loss

@@ -23,12 +23,14 @@ keeps what it was trained with after another layer is removed.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import GenerationMixin, LlamaConfig, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutput
@@ -206,6 +208,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+# The one place where the attention kernel depends on the device. Measured fwd+bwd on a 2-core AVX-512 CPU
+# (docs/notes/faststep.md): under bf16 the CPU flash kernel is 2-3x slower than SDPA's math backend up to 512
+# tokens and about even at 1024; in fp32 flash wins. CUDA keeps torch's own choice (flash / cuDNN / efficient).
+CPU_MATH_SDPA_MAX_LEN = 512
+
+
+def sdpa_kernel_for(q: torch.Tensor, seq_len: int):
+    """A context restricting SDPA to the kernel measured fastest for this device, compute dtype and length."""
+    if q.device.type != "cpu" or seq_len > CPU_MATH_SDPA_MAX_LEN:
+        return contextlib.nullcontext()
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
+    return sdpa_kernel(SDPBackend.MATH) if dtype in (torch.bfloat16, torch.float16) else contextlib.nullcontext()
+
+
 class Attention(nn.Module):
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -225,9 +241,10 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.num_kv_heads != self.num_heads
-        )
+        with sdpa_kernel_for(q, seq_len):
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.num_kv_heads != self.num_heads
+            )
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
@@ -530,8 +547,14 @@ def _rope_theta(config) -> float:
 
 
 def _attention_mask(attention_mask: torch.Tensor | None, seq_len: int, device) -> torch.Tensor | None:
-    """None (pure causal, the fast SDPA path) unless some key is padding; then causal AND key-is-real."""
-    if attention_mask is None or bool(attention_mask.all()):
+    """None (pure causal, the fast SDPA path) unless some key is padding; then causal AND key-is-real.
+
+    Under torch.compile the all-real check would break the graph (a data-dependent branch), so a compiled model
+    always builds the explicit mask; the trainer passes no mask at all for its right-padded batches.
+    """
+    if attention_mask is None:
+        return None
+    if not torch.compiler.is_compiling() and bool(attention_mask.all()):
         return None
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
     mask = causal[None, None] & attention_mask[:, None, None, :].bool().to(device)

@@ -1,136 +1,331 @@
-"""Training-step throughput of our model against `transformers.LlamaForCausalLM` on the same config.
+"""Training-step throughput: our model now, our model at a git revision ("before"), and transformers' Llama.
 
-Both models live in one process and are timed in interleaved repeats (ours, HF, ours, HF, ...) so that drifts in
-machine load hit both alike; the median over repeats is reported. One step is forward + backward + Adam step.
+Two sections, both printing the median and the spread (min-max) of every figure:
 
-    python utils/benchmark_model.py                                   # tiny and 130M, fp32 and bf16
-    python utils/benchmark_model.py --configs configs/llama_tiny_deep.json --dtypes bfloat16 --repeats 5
-    python utils/benchmark_model.py --compile                         # also try torch.compile on ours
+* model: one step = forward + loss + backward + grad clipping 1.0 + fused Adam, on random tokens (no padding).
+  Each model runs eager and through torch.compile, in fp32 and under bf16 autocast with fp32 weights ("mixed", the
+  study's dtype). All variants of one (config, dtype) live in one process and are timed in interleaved repeats, so
+  drifts in machine load hit them alike. "before" is `peft_pretraining/modeling_llama.py` read from `--before`.
+* trainer: the real `torchrun_main.py` on the embedded corpus at the study's flags (data loading included), the
+  current tree against the tree of `--before` (extracted with `git archive`), runs alternating before/after; the
+  figure is the median of the per-update tokens_per_s in metrics.jsonl after the first `--trainer_warmup` updates.
 
-It prints tokens/s, achieved GFLOP/s (6 * params * tokens, plus attention) and that figure as a fraction of a large
-square GEMM measured in the same run and dtype.
+    python utils/benchmark_model.py                      # study shape and 130M, everything (long on 2 CPU cores)
+    python utils/benchmark_model.py --sections trainer --trainer_repeats 3
+    python utils/benchmark_model.py --quick              # a tiny smoke run, seconds
+
+Writes <out>/model.csv, <out>/trainer.csv and <out>/benchmark.json (default out: runs/benchmark_model).
 """
 
 import argparse
+import contextlib
+import csv
+import importlib.util
 import json
+import os
+import platform
 import statistics
+import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM  # noqa: E402
 
-from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config  # noqa: E402
+from peft_pretraining import modeling_llama  # noqa: E402
+from peft_pretraining.training_utils import build_optimizer  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def gemm_gflops(dtype, size=2048, repeats=5):
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
-    a @ b
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - start)
-    return 2 * size**3 / statistics.median(times) / 1e9
+STUDY_CONFIG = "configs/llama_tiny_deep.json"
+MODELS = ("ours", "before", "hf")
+DTYPES = ("float32", "mixed")
+TRAINER_VARIANTS = {"eager": [], "compile": ["--compile"]}
+# The study's trainer flags (utils/compare_norms.py), minus the budget.
+STUDY_FLAGS = ["--dataset", "embedded", "--tokenizer", "embedded", "--max_length", "128", "--batch_size", "16",
+               "--total_batch_size", "16", "--lr", "1e-3", "--warmup_steps", "2", "--grad_clipping", "1.0",
+               "--weight_decay", "0", "--optimizer", "adam", "--workers", "0", "--device", "cpu", "--seed", "1"]
 
 
-def train_step_flops(config, batch, seq_len):
-    """6 N T for the matmuls (N without embeddings) plus causal attention scores and values."""
-    hidden, layers = config.hidden_size, config.num_hidden_layers
-    per_layer = 4 * hidden * hidden + 3 * hidden * config.intermediate_size
-    matmul_params = layers * per_layer + hidden * config.vocab_size
-    tokens = batch * seq_len
-    attention = 6 * layers * seq_len * hidden * tokens  # 2 matmuls, causal halves them, x3 for fwd+bwd
-    return 6 * matmul_params * tokens + attention
+# ---------------------------------------------------------------------------------------------------- helpers
+def load_model_module(revision: str):
+    """peft_pretraining/modeling_llama.py as it was at `revision`, imported as a separate module."""
+    source = subprocess.run(["git", "show", f"{revision}:peft_pretraining/modeling_llama.py"], cwd=REPO,
+                            capture_output=True, text=True, check=True).stdout
+    path = Path(tempfile.mkdtemp(prefix="modeling_before_")) / "modeling_llama_before.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("modeling_llama_before", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
-def make_step(model, optimizer, tokens):
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def machine() -> str:
+    flags = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0] if Path("/proc/cpuinfo").exists() else ""
+    bf16_hw = [f for f in ("avx512_bf16", "amx_bf16") if f in flags.split()]
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+            f"threads {torch.get_num_threads()}, bf16 hardware: {', '.join(bf16_hw) or 'none'}, "
+            f"load average {os.getloadavg()[0]:.1f}")
+
+
+def autocast_for(dtype: str):
+    if dtype == "mixed":
+        return lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+# ---------------------------------------------------------------------------------------------------- model section
+def build_models(config_path: Path, names, before_module):
+    torch.manual_seed(0)
+    ours = modeling_llama.LlamaForCausalLM(modeling_llama.build_config(config_path, norm_type="pre"))
+    models = {"ours": ours}
+    if "before" in names:
+        models["before"] = before_module.LlamaForCausalLM(before_module.build_config(config_path, norm_type="pre"))
+    if "hf" in names:
+        models["hf"] = HFLlamaForCausalLM(LlamaConfig.from_json_file(str(config_path)))
+    for model in models.values():
+        model.load_state_dict(ours.state_dict())
+        model.train()
+    return {name: models[name] for name in names}
+
+
+def make_step(model, optimizer, tokens, autocast):
+    params = [p for p in model.parameters()]
+
     def step():
-        loss = model(input_ids=tokens, labels=tokens).loss
+        with autocast():
+            loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss
 
     return step
 
 
-def time_steps(step, steps):
-    start = time.perf_counter()
-    for _ in range(steps):
+def bench_models(config_path: Path, dtype: str, *, names, modes, batch, seq_len, repeats, steps, before_module,
+                 compile_mode):
+    """{(model, mode): [tokens/s per repeat]} for one config and dtype, interleaved."""
+    models = build_models(config_path, names, before_module)
+    autocast = autocast_for(dtype)
+    tokens = torch.randint(0, models["ours"].config.vocab_size, (batch, seq_len),
+                           generator=torch.Generator().manual_seed(0))
+    steps_by_variant = {}
+    for name, model in models.items():
+        optimizer = build_optimizer(model.parameters(), "adam", 1e-4, 0.0)
+        for mode in modes:
+            runner = torch.compile(model, mode=compile_mode) if mode == "compiled" else model
+            steps_by_variant[(name, mode)] = make_step(runner, optimizer, tokens, autocast)
+    for variant, step in tqdm(steps_by_variant.items(), desc=f"warm-up {config_path.name} {dtype}", leave=False):
+        step()  # compiles; a second call settles allocations
         step()
-    return (time.perf_counter() - start) / steps
+    rates = {variant: [] for variant in steps_by_variant}
+    for _ in tqdm(range(repeats), desc=f"repeats {config_path.name} {dtype}", leave=False):
+        for variant, step in steps_by_variant.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            rates[variant].append(batch * seq_len * steps / (time.perf_counter() - start))
+    return rates
 
 
-def benchmark(config_path, dtype, batch, seq_len, repeats, steps, compile_ours):
-    config = build_config(config_path, norm_type="pre")
-    torch.manual_seed(0)
-    ours = LlamaForCausalLM(config).to(dtype).train()
-    theirs = HFLlamaForCausalLM(LlamaConfig.from_json_file(str(config_path))).to(dtype).train()
-    theirs.load_state_dict(ours.state_dict())
-    runner = torch.compile(ours) if compile_ours else ours
-    tokens = torch.randint(0, config.vocab_size, (batch, seq_len))
-    steps_by_name = {
-        "ours": make_step(runner, torch.optim.Adam(ours.parameters(), lr=1e-4, foreach=True), tokens),
-        "hf": make_step(theirs, torch.optim.Adam(theirs.parameters(), lr=1e-4, foreach=True), tokens),
-    }
-    for step in steps_by_name.values():  # warm-up (and compilation)
-        step()
-    seconds = {name: [] for name in steps_by_name}
-    for _ in range(repeats):
-        for name, step in steps_by_name.items():
-            seconds[name].append(time_steps(step, steps))
-    flops = train_step_flops(config, batch, seq_len)
-    peak = gemm_gflops(dtype)
-    row = {"config": Path(config_path).name, "dtype": str(dtype).replace("torch.", ""), "batch": batch,
-           "seq_len": seq_len, "compile": compile_ours, "gemm_gflops": round(peak, 1)}
-    for name, values in seconds.items():
-        median = statistics.median(values)
-        row[f"{name}_tokens_per_s"] = round(batch * seq_len / median, 1)
-        row[f"{name}_gflops"] = round(flops / median / 1e9, 1)
-        row[f"{name}_gemm_fraction"] = round(flops / median / 1e9 / peak, 3)
-    row["speedup_vs_hf"] = round(row["ours_tokens_per_s"] / row["hf_tokens_per_s"], 3)
-    return row
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", nargs="+",
-                        default=[str(REPO / "configs/llama_tiny.json"), str(REPO / "configs/llama_130m.json")])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
-    parser.add_argument("--batch_size", type=int, default=None, help="default: 16 for tiny configs, 2 otherwise")
-    parser.add_argument("--seq_len", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=None, help="steps per timed repeat; default 5 tiny, 1 otherwise")
-    parser.add_argument("--compile", action="store_true", help="run ours through torch.compile")
-    parser.add_argument("--json", help="also write the rows to this JSON file")
-    return parser
-
-
-def main():
-    parser = build_parser()
-    args = parser.parse_args()
-    for path in args.configs:
-        if not Path(path).is_file():
-            parser.error(f"--configs: no such file {path}")
-
+def model_section(args, before_module) -> list[dict]:
     rows = []
-    for path in args.configs:
-        tiny = "tiny" in Path(path).name
-        for dtype_name in args.dtypes:
-            row = benchmark(path, getattr(torch, dtype_name), args.batch_size or (16 if tiny else 2), args.seq_len,
-                            args.repeats, args.steps or (5 if tiny else 1), args.compile)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    for shape in args.shapes:
+        config_name, batch, seq_len = shape.split(":")
+        config_path = REPO / config_name if not Path(config_name).is_file() else Path(config_name)
+        for dtype in args.dtypes:
+            rates = bench_models(config_path, dtype, names=args.models, modes=args.modes, batch=int(batch),
+                                 seq_len=int(seq_len), repeats=args.repeats, steps=args.steps,
+                                 before_module=before_module, compile_mode=args.compile_mode)
+            for (name, mode), values in rates.items():
+                stats = spread(values)
+                rows.append({"config": config_path.name, "batch": int(batch), "seq_len": int(seq_len),
+                             "dtype": dtype, "model": name, "mode": mode,
+                             **{f"tokens_per_s_{k}": round(v, 1) for k, v in stats.items() if k != "n"},
+                             "repeats": stats["n"], "per_repeat": [round(v, 1) for v in values]})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------- trainer section
+def extract_revision(revision: str) -> Path:
+    target = Path(tempfile.mkdtemp(prefix="trainer_before_"))
+    archive = subprocess.run(["git", "archive", "--format=tar", revision], cwd=REPO, capture_output=True,
+                             check=True).stdout
+    archive_path = target / "tree.tar"
+    archive_path.write_bytes(archive)
+    with tarfile.open(archive_path) as tar:
+        tar.extractall(target / "tree", filter="data")
+    return target / "tree"
+
+
+def run_trainer(tree: Path, args, extra_flags: list[str], out_dir: Path) -> dict:
+    cmd = [sys.executable, "torchrun_main.py", "--model_config", args.trainer_config, "--norm_type", "pre",
+           *STUDY_FLAGS, "--dtype", args.trainer_dtype, "--num_training_steps", str(args.trainer_steps),
+           "--eval_every", str(10**6), "--save_every", str(10**6), "--eval_tokens", "256",
+           "--save_dir", str(out_dir), *extra_flags]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.trainer_threads), WANDB_MODE="disabled", HF_HUB_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    start = time.perf_counter()
+    result = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if result.returncode != 0:
+        raise SystemExit(f"benchmark_model: trainer failed in {tree}:\n{result.stderr[-2000:]}")
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rates = [row["tokens_per_s"] for row in rows if "tokens_per_s" in row][args.trainer_warmup:]
+    return {"tokens_per_s": statistics.median(rates), "wall_s": wall}
+
+
+def trainer_section(args) -> list[dict]:
+    trees = {"before": extract_revision(args.before), "after": REPO}
+    variants = [(tree, variant) for tree in trees for variant in args.trainer_variants]
+    results = {variant: [] for variant in variants}
+    with tempfile.TemporaryDirectory(prefix="trainer_runs_") as runs:
+        progress = tqdm(total=args.trainer_repeats * len(variants), desc="trainer runs", leave=False)
+        for repeat in range(args.trainer_repeats):
+            for tree, variant in variants:
+                out_dir = Path(runs) / f"{tree}-{variant}-{repeat}"
+                results[(tree, variant)].append(run_trainer(trees[tree], args, TRAINER_VARIANTS[variant], out_dir))
+                progress.update(1)
+        progress.close()
+    rows = []
+    for (tree, variant), runs_of_variant in results.items():
+        stats = spread([r["tokens_per_s"] for r in runs_of_variant])
+        rows.append({"tree": tree, "revision": args.before if tree == "before" else "working tree",
+                     "variant": variant, "config": Path(args.trainer_config).name,
+                     "dtype": args.trainer_dtype, "threads": args.trainer_threads, "steps": args.trainer_steps,
+                     **{f"tokens_per_s_{k}": round(v, 1) for k, v in stats.items() if k != "n"},
+                     "wall_s_median": round(statistics.median(r["wall_s"] for r in runs_of_variant), 1),
+                     "repeats": stats["n"], "per_repeat": [round(r["tokens_per_s"], 1) for r in runs_of_variant]})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------- report
+def ratios(model_rows, trainer_rows) -> dict:
+    out = {}
+    by_key = {(r["config"], r["dtype"], r["model"], r["mode"]): r["tokens_per_s_median"] for r in model_rows}
+    for (config, dtype, model, mode), rate in by_key.items():
+        if model != "ours":
+            continue
+        for other in ("before", "hf"):
+            if (config, dtype, other, mode) in by_key:
+                out[f"{config} {dtype} {mode}: ours/{other}"] = round(rate / by_key[(config, dtype, other, mode)], 3)
+    for config in {r["config"] for r in model_rows}:
+        ours = [r for r in model_rows if r["config"] == config and r["model"] == "ours"]
+        hf = [r for r in model_rows if r["config"] == config and r["model"] == "hf" and r["mode"] == "compiled"]
+        if ours and hf:
+            for dtype in {r["dtype"] for r in ours}:
+                best_ours = max((r for r in ours if r["dtype"] == dtype), key=lambda r: r["tokens_per_s_median"])
+                best_hf = [r for r in hf if r["dtype"] == dtype]
+                if best_hf:
+                    out[f"{config} {dtype}: ours fastest ({best_ours['mode']}) / hf compiled"] = round(
+                        best_ours["tokens_per_s_median"] / best_hf[0]["tokens_per_s_median"], 3)
+    before = {r["variant"]: r["tokens_per_s_median"] for r in trainer_rows if r["tree"] == "before"}
+    for r in trainer_rows:
+        for variant, rate in before.items():
+            if r["tree"] == "after":
+                out[f"trainer after {r['variant']} / before {variant}"] = round(r["tokens_per_s_median"] / rate, 3)
+    return out
+
+
+def print_table(rows, columns):
+    if not rows:
+        return
+    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in columns]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for r in rows:
+        print("  ".join(str(r[c]).ljust(w) for c, w in zip(columns, widths)))
+
+
+def write_csv(path: Path, rows):
+    rows = [{k: v for k, v in row.items() if k != "per_repeat"} for row in rows]
+    if rows:
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sections", nargs="+", default=["model", "trainer"], choices=["model", "trainer"])
+    parser.add_argument("--before", default="main", help="git revision whose model and trainer are 'before'")
+    parser.add_argument("--shapes", nargs="+", default=[f"{STUDY_CONFIG}:16:128", "configs/llama_130m.json:1:256"],
+                        help="config:batch:seq_len for the model section")
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
+    parser.add_argument("--compile_mode", default=None, help="torch.compile mode (default: torch's default)")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved timed repeats per variant")
+    parser.add_argument("--steps", type=int, default=1, help="steps per timed repeat")
+    parser.add_argument("--trainer_config", default=STUDY_CONFIG)
+    parser.add_argument("--trainer_dtype", default="mixed", choices=["float32", "bfloat16", "mixed"])
+    parser.add_argument("--trainer_steps", type=int, default=12)
+    parser.add_argument("--trainer_warmup", type=int, default=2, help="updates left out of the trainer's median")
+    parser.add_argument("--trainer_repeats", type=int, default=3)
+    parser.add_argument("--trainer_threads", type=int, default=1, help="OMP_NUM_THREADS of each trainer run")
+    parser.add_argument("--trainer_variants", nargs="+", default=list(TRAINER_VARIANTS), choices=TRAINER_VARIANTS,
+                        help="eager: the trainer's defaults; compile: with --compile; each run for both trees")
+    parser.add_argument("--out", default=str(REPO / "runs" / "benchmark_model"))
+    parser.add_argument("--quick", action="store_true", help="tiny config and budget: checks that everything runs")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.shapes, args.modes, args.repeats, args.steps = ["configs/llama_tiny.json:2:32"], ["eager"], 1, 1
+        args.trainer_config, args.trainer_steps, args.trainer_warmup = "configs/llama_tiny.json", 3, 1
+        args.trainer_repeats, args.trainer_variants = 1, ["eager"]
+    for shape in args.shapes:
+        parts = shape.split(":")
+        if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+            parser.error(f"--shapes {shape!r}: expected config:batch:seq_len")
+        if not (REPO / parts[0]).is_file() and not Path(parts[0]).is_file():
+            parser.error(f"--shapes {shape!r}: no such config {parts[0]}")
+    for name in ("repeats", "steps", "trainer_steps", "trainer_repeats", "trainer_threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} {getattr(args, name)}: must be at least 1")
+    if args.trainer_warmup >= args.trainer_steps:
+        parser.error(f"--trainer_warmup {args.trainer_warmup}: must be below --trainer_steps {args.trainer_steps}")
+    if subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{args.before}^{{commit}}"], cwd=REPO,
+                      capture_output=True).returncode != 0:
+        parser.error(f"--before {args.before!r}: not a git revision of {REPO}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    before_module = load_model_module(args.before) if "before" in args.models else None
+    header = {"machine": machine(), "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+              "before": args.before, "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+    print(f"machine: {header['machine']}", flush=True)
+    model_rows = model_section(args, before_module) if "model" in args.sections else []
+    trainer_rows = trainer_section(args) if "trainer" in args.sections else []
+    summary = ratios(model_rows, trainer_rows)
+    print("\nmodel step (tokens/s; median, min-max over interleaved repeats)")
+    print_table(model_rows, ["config", "batch", "seq_len", "dtype", "model", "mode", "tokens_per_s_median",
+                             "tokens_per_s_min", "tokens_per_s_max"])
+    print("\ntrainer (tokens/s from metrics.jsonl; median over runs of the per-run median)")
+    print_table(trainer_rows, ["tree", "variant", "dtype", "threads", "tokens_per_s_median", "tokens_per_s_min",
+                               "tokens_per_s_max", "wall_s_median"])
+    print("\nratios of medians")
+    for key, value in summary.items():
+        print(f"  {key}: {value}")
+    write_csv(out / "model.csv", model_rows)
+    write_csv(out / "trainer.csv", trainer_rows)
+    (out / "benchmark.json").write_text(json.dumps({**header, "model": model_rows, "trainer": trainer_rows,
+                                                    "ratios": summary}, indent=2))
+    print(f"\nwrote {out / 'benchmark.json'}")
 
 
 if __name__ == "__main__":

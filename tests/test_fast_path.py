@@ -1,0 +1,145 @@
+"""The fast training step computes what the plain path computes.
+
+Fast path: the trainer drops the attention mask of a right-padded batch (SDPA's is_causal), and on CPU under bf16
+the model picks SDPA's math kernel. Reference: stock HF Llama with eager attention, given the padding mask, with
+identical weights.
+"""
+import contextlib
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers import LlamaForCausalLM as HFLlamaForCausalLM
+
+from peft_pretraining.dataloader import IGNORE_INDEX
+from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config
+from torchrun_main import causal_mask_suffices
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "configs" / "llama_tiny.json"
+
+
+def batch(padded: bool) -> dict:
+    tokens = torch.randint(3, 8192, (3, 20), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(tokens)
+    if padded:  # right padding as the data loader makes it: pad id 0, no label on pads
+        for row, length in enumerate((20, 13, 6)):
+            mask[row, length:] = 0
+        tokens = tokens.masked_fill(mask == 0, 0)
+    return {"input_ids": tokens, "attention_mask": mask, "labels": tokens.masked_fill(mask == 0, IGNORE_INDEX)}
+
+
+def loss_and_grads(model, inputs, dtype):
+    model.zero_grad(set_to_none=True)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "mixed" else contextlib.nullcontext()
+    with autocast:
+        loss = model(**inputs).loss
+    loss.backward()
+    return loss.detach().float(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def relative_error(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def models(init=0.1):
+    """Ours and stock HF Llama with eager attention (HF's explicit softmax(QK^T)V, not SDPA), same weights.
+
+    A larger init than 0.02 makes attention far from uniform, so a mask or kernel mistake shows in the numbers.
+    """
+    torch.manual_seed(0)
+    ours = LlamaForCausalLM(build_config(TINY, initializer_range=init)).train()
+    reference_config = LlamaConfig.from_json_file(str(TINY))
+    reference_config._attn_implementation = "eager"
+    reference = HFLlamaForCausalLM(reference_config).train()
+    reference.load_state_dict(ours.state_dict())
+    return ours, reference
+
+
+def errors(loss, grads, ref_loss, ref_grads) -> dict:
+    """Relative errors of the loss, of all gradients together, and of the worst single parameter's gradient."""
+    flat = torch.cat([grads[name].flatten() for name in ref_grads])
+    ref_flat = torch.cat([ref_grads[name].flatten() for name in ref_grads])
+    return {"loss": relative_error(loss, ref_loss), "all_grads": relative_error(flat, ref_flat),
+            "worst_grad": max(relative_error(grads[name], ref_grads[name]) for name in ref_grads)}
+
+
+def without_mask(inputs: dict) -> dict:
+    assert causal_mask_suffices(inputs)
+    return {k: v for k, v in inputs.items() if k != "attention_mask"}  # what the trainer does with such a batch
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["right_padded", "unpadded"])
+def test_fast_path_matches_reference_in_fp32(padded):
+    ours, reference = models()
+    inputs = batch(padded)
+    fast = errors(*loss_and_grads(ours, without_mask(inputs), "float32"), *loss_and_grads(reference, inputs, "float32"))
+    assert max(fast.values()) < 1e-5, fast
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["right_padded", "unpadded"])
+def test_fast_path_matches_reference_under_bf16_autocast(padded):
+    """Against the fp32 result, the fast path under autocast errs no more than HF's own autocast step does."""
+    ours, reference = models()
+    inputs = batch(padded)
+    truth = loss_and_grads(reference, inputs, "float32")
+    fast = errors(*loss_and_grads(ours, without_mask(inputs), "mixed"), *truth)
+    hf_autocast = errors(*loss_and_grads(reference, inputs, "mixed"), *truth)
+    for key in fast:
+        assert fast[key] <= 1.5 * hf_autocast[key] + 2e-3, (key, fast, hf_autocast)
+    assert fast["worst_grad"] < 5e-2, fast
+
+
+def test_the_comparison_sees_a_missing_mask():
+    """Dropping the mask of a left-padded batch would change the loss: real tokens would then see pads."""
+    ours, _ = models()
+    inputs = batch(padded=True)
+    left = {k: v.flip(1) for k, v in inputs.items()}
+    assert not causal_mask_suffices(left)
+    with_mask, _ = loss_and_grads(ours, left, "float32")
+    without_mask, _ = loss_and_grads(ours, {k: v for k, v in left.items() if k != "attention_mask"}, "float32")
+    assert relative_error(without_mask, with_mask) > 1e-3
+
+
+def test_causal_mask_suffices_only_for_right_padding_without_pad_labels():
+    inputs = batch(padded=True)
+    assert causal_mask_suffices(inputs)
+    assert causal_mask_suffices(batch(padded=False))
+    assert not causal_mask_suffices({k: v.flip(1) for k, v in inputs.items()})  # left padding
+    holes = dict(inputs, attention_mask=inputs["attention_mask"].clone())
+    holes["attention_mask"][0, 5] = 0  # a pad between real tokens
+    assert not causal_mask_suffices(holes)
+    assert not causal_mask_suffices(dict(inputs, labels=inputs["input_ids"]))  # pads carry labels
+
+
+@pytest.mark.parametrize("with_mask", [True, False])
+def test_padded_positions_stay_finite(with_mask):
+    model = LlamaForCausalLM(build_config(TINY)).eval()
+    inputs = batch(padded=True)
+    if not with_mask:
+        del inputs["attention_mask"]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(**inputs)
+    assert torch.isfinite(out.logits).all() and torch.isfinite(out.loss)
+
+
+def test_compiled_model_has_no_graph_break():
+    model = LlamaForCausalLM(build_config(TINY)).train()
+    inputs = batch(padded=True)
+    for kwargs in (inputs, {k: v for k, v in inputs.items() if k != "attention_mask"}):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            explanation = torch._dynamo.explain(model)(**kwargs)
+        assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+@pytest.mark.parametrize("dtype, expected_kernel", [("mixed", "math"), ("float32", "flash")])
+def test_cpu_attention_kernel_follows_dtype(dtype, expected_kernel):
+    model = LlamaForCausalLM(build_config(TINY)).train()
+    inputs = {k: v for k, v in batch(padded=False).items() if k != "attention_mask"}
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "mixed" else contextlib.nullcontext()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile, autocast:
+        model(**inputs).loss.backward()
+    ops = {event.key for event in profile.key_averages()}
+    used_flash = any("flash_attention" in op for op in ops)
+    assert used_flash == (expected_kernel == "flash"), sorted(op for op in ops if "attention" in op)
