@@ -314,7 +314,7 @@ means the paper's direction AND an interval that excludes zero; **opposite** mea
 the other way; **inside noise** means the interval contains zero. A removal claim where removing a deep layer helps
 both models (negative costs) is never counted as reproduced.
 
-{chr(10).join(sections) or 'No pair of arms has records yet.'}
+{(chr(10) * 2).join(sections) or 'No pair of arms has records yet.'}
 
 ## Per-arm results (last checkpoint)
 
@@ -340,7 +340,8 @@ Deep = the deeper half of the layers. Removal cost = ln(perplexity without the l
 - **Evaluation**: token-weighted cross-entropy over {s['eval_tokens']:,} held-out tokens, every {steps_info[0]} steps.
 - **Instruments**, at steps {', '.join(map(str, steps_info))} for the Pre-LN and LNS arms and at the end for the
   others, all inside the trained context of {s['max_length']} tokens: residual variance and angular distance over
-  {s['stream_tokens']:,} held-out tokens; exact block Jacobians at {s['jacobian_tokens']} held-out tokens; removal of
+  {s['stream_tokens']:,} held-out tokens; block Jacobians at {s['jacobian_tokens']} held-out tokens
+  ({'exact' if not s['jacobian_probes'] else f"{s['jacobian_probes']} random probes per token, unbiased"}); removal of
   each layer in turn (layer_remove.py --sweep, {s['removal_documents']} documents); the norm gains.
 - **Speed**: median {(sum(speeds) / len(speeds)) if speeds else float('nan'):,.0f} tokens/s per run
   (one thread per run, {args.jobs} runs at a time).

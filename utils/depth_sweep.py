@@ -310,7 +310,8 @@ Deep = the deeper half of the layers.
   the step of each run's lowest eval loss (a run still improving has it at its last eval).
 - **Instruments** at steps {', '.join(map(str, study_lib.evenly_spaced_steps(s['steps'], s['dynamics_points'])))}, inside
   the trained context of {s['max_length']} tokens: variance and angular distance over {s['stream_tokens']:,} held-out
-  tokens, exact block Jacobians at {s['jacobian_tokens']} tokens, one-layer removal on {s['removal_documents']}
+  tokens, block Jacobians at {s['jacobian_tokens']} tokens ({'exact' if not s['jacobian_probes'] else
+  f"{s['jacobian_probes']} random probes per token"}), one-layer removal on {s['removal_documents']}
   held-out documents.
 - **Seeds**: {', '.join(map(str, s['seeds']))}, paired across norm types and depths.
 - **Speed** (median tokens/s per run, one thread): {', '.join(f"L={d}: {np.median(v):,.0f}" for d, v in speeds.items() if v)}.

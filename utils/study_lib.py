@@ -390,7 +390,8 @@ def plot_dynamics(records: dict[str, dict], arms: dict[str, str], path: Path, me
             if not points:
                 continue
             xs = [s for s, _ in points]
-            line, = ax.plot(xs, [np.mean(v) for _, v in points], marker="o", markersize=3, label=label)
+            line, = ax.plot(xs, [np.mean(v) for _, v in points], marker="o", markersize=3, label=label,
+                            linestyle="--" if "bf16" in arm else "-")  # pure-bf16 arms often overlap mixed ones
             ax.fill_between(xs, [min(v) for _, v in points], [max(v) for _, v in points], alpha=0.2,
                             color=line.get_color())
         ax.set_title(MEASURES[measure], fontsize=9)
