@@ -6,6 +6,7 @@ Single process:  python torchrun_main.py --model_config configs/llama_tiny.json 
 Several:         torchrun --nproc_per_node 4 torchrun_main.py ...   (nccl on GPU, gloo on CPU)
 
 Exit codes: 0 finished, 2 bad command line or checkpoint, 3 diverged (NaN/inf loss or grad norm; see results.json).
+torchrun reports any failed rank as 1; run_*.sh read the trainer's own code back (peft_pretraining/distributed.py).
 """
 import contextlib
 import json
@@ -16,10 +17,10 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from peft_pretraining import args_utils, training_utils
+from peft_pretraining.distributed import grad_sync, init_distributed, report_exit_code, wrap_model
 from peft_pretraining.dataloader import (
     build_train_stream,
     check_vocab_covers_tokenizer,
@@ -38,23 +39,6 @@ class BadInput(Exception):
 # ----------------------------------------------------------------------------------------------------------------
 # Set-up
 # ----------------------------------------------------------------------------------------------------------------
-
-def init_distributed(args):
-    """Always a process group: torchrun's env:// rendezvous, or a one-process group so collectives are no-ops."""
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
-    if "RANK" in os.environ:
-        dist.init_process_group(backend=backend, device_id=device if use_cuda else None)
-    else:
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
-    return dist.get_rank(), dist.get_world_size(), device
-
 
 def resolve_run_dir(args, rank: int) -> str:
     """--save_dir, or runs/<run_name>-<UTC time> chosen by rank 0 and shared so every rank agrees."""
@@ -98,32 +82,6 @@ def check_checkpoint_matches(args, config, checkpoint: str):
                            f"checkpoint's {saved.get(key)} (--continue_from {checkpoint})")
 
 
-def wrap_model(model, args, world_size: int, device):
-    """Distributed wrapping stays out of the model: DDP, FSDP2 (one shard group per block + root), or nothing."""
-    if args.fsdp:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh(device.type, (world_size,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model
-    if world_size > 1:
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                       broadcast_buffers=False)
-    return model
-
-
-def grad_sync(model, is_last_micro_batch: bool):
-    """Skip the gradient all-reduce on every micro-batch but the last one of an update."""
-    if isinstance(model, DistributedDataParallel):
-        return contextlib.nullcontext() if is_last_micro_batch else model.no_sync()
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(is_last_micro_batch)
-    return contextlib.nullcontext()
-
-
 @contextlib.contextmanager
 def user_errors():
     """The data pipeline raises ValueError naming the flag (--tokenizer, --dataset, ...): report it as bad input."""
@@ -144,17 +102,22 @@ def autocast_for(args, device):
 # ----------------------------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
-    args = args_utils.parse_args(argv)
+    try:
+        args = args_utils.parse_args(argv)
+    except SystemExit as exit:  # a bad command line (2) or --help (0)
+        return report_exit_code(exit.code)
     rank, world_size, device = init_distributed(args)
     try:
-        return train(args, rank, world_size, device)
+        code = train(args, rank, world_size, device)
+        dist.barrier()  # torchrun stops every rank once one exits non-zero: leave after rank 0 wrote results.json
     except (BadInput, training_utils.CheckpointError) as err:
         if rank == 0:
             print(f"torchrun_main.py: error: {' '.join(str(err).split())}", file=sys.stderr)  # one line
-        return 2
+        code = 2
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    return report_exit_code(code)
 
 
 def train(args, rank: int, world_size: int, device) -> int:
