@@ -30,3 +30,15 @@ def test_run_tiny_under_torchrun_exits_3_on_divergence_with_results_written(tmp_
     assert proc.returncode == 3, proc.stderr[-2000:]
     results = json.loads((run_dir / "results.json").read_text())  # rank 0 finished writing before the ranks left
     assert results["status"] == "diverged" and results["step"] < 4
+
+
+@pytest.mark.parametrize("command", [["bash", "utils/gpu_smoke.sh", "{out}"],
+                                     [sys.executable, "utils/benchmark_gpu.py", "--json", "{out}"]])
+def test_gpu_tools_refuse_a_machine_without_cuda_in_one_line(command, tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable)
+    command = [part.format(out=tmp_path / "out") for part in command]
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=120,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and "no CUDA device" in proc.stderr
+    assert not (tmp_path / "out").exists()  # nothing written
