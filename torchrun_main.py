@@ -6,7 +6,7 @@ Single process:  python torchrun_main.py --model_config configs/llama_tiny.json 
 Several:         torchrun --nproc_per_node 4 torchrun_main.py ...   (nccl on GPU, gloo on CPU)
 
 Exit codes: 0 finished, 2 bad command line or checkpoint, 3 diverged (NaN/inf loss or grad norm; see results.json).
-torchrun reports any failed rank as 1; run_*.sh read the trainer's own code back (peft_pretraining/distributed.py).
+torchrun reports any failed rank as 1; run_*.sh read each rank's own code back (utils/launch_trainer.sh).
 """
 import contextlib
 import json
@@ -20,13 +20,13 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from peft_pretraining import args_utils, training_utils
-from peft_pretraining.distributed import grad_sync, init_distributed, report_exit_code, wrap_model
 from peft_pretraining.dataloader import (
     build_train_stream,
     check_vocab_covers_tokenizer,
     iter_eval_batches,
     load_tokenizer,
 )
+from peft_pretraining.distributed import grad_sync, init_distributed, report_exit_code, wrap_model
 from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config
 
 VOCAB_MULTIPLE = 64

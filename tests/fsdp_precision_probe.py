@@ -1,7 +1,8 @@
 """Run under torchrun (2 gloo ranks) by tests/test_distributed_setup.py: which dtypes FSDP2 uses for --dtype X.
 
-Prints {dtype: dtypes seen} for each --dtype given, from rank 0: the dtypes of the all-gather and reduce-scatter buffers, of a block's weight during
-forward (the compute dtype), and of the sharded weight the optimizer updates and of its gradient.
+Prints {dtype: dtypes seen} for each --dtype value given, from rank 0: the dtypes of the all-gather and
+reduce-scatter buffers, of a block's weight during forward (the compute dtype), and of the sharded weight the
+optimizer updates and of its gradient.
 """
 import argparse
 import json

@@ -9,5 +9,5 @@ from utils.memory_estimate import DTYPES, measure_saved_bytes, saved_activation_
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_activation_formula_matches_the_saved_tensors_of_a_forward(dtype, activation_checkpointing):
     config = build_config("configs/llama_tiny.json", norm_type="pre")
-    measured = measure_saved_bytes(config, dtype, batch=3, seq_len=24, activation_checkpointing=activation_checkpointing)
+    measured = measure_saved_bytes(config, dtype, 3, 24, activation_checkpointing)
     assert measured == saved_activation_bytes(config, dtype, 3, 24, activation_checkpointing)

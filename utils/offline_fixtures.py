@@ -63,8 +63,8 @@ def _embedded_records(split: str) -> list[dict]:
 def _c4_record(record: dict, index: int) -> dict:
     """C4's fields; timestamp and url are made up but deterministic."""
     seconds = index * 7919 % 86_400
-    return {"text": record["text"],
-            "timestamp": f"2019-04-{1 + index % 28:02d}T{seconds // 3600:02d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}Z",
+    clock = f"{seconds // 3600:02d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+    return {"text": record["text"], "timestamp": f"2019-04-{1 + index % 28:02d}T{clock}Z",
             "url": f"https://austen.example/{record.get('source', 'austen')}/{index}"}
 
 
