@@ -2,6 +2,7 @@
 # Paper recipe: LLaMA-350m on C4 (4 GPUs), hyperparameters of the reference run script.
 #   bash run_350m.sh NORM_TYPE [POST_NUM] [extra torchrun_main.py flags]      e.g. bash run_350m.sh LNS 3
 # NPROC=<n> overrides the process count (default 4); TORCHRUN_ARGS replaces "--standalone" (multi-node).
+# Exit code: 0 finished, 2 bad input, 3 diverged (read back from the ranks by utils/launch_trainer.sh), else torchrun's.
 # Extra flags come last, so they override the values below (e.g. --dtype mixed, --fsdp, --continue_from DIR).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -17,7 +18,7 @@ nproc=${NPROC:-4}
 
 echo "run_350m.sh: norm_type=$norm_type post_num=${post_num:-none} lr=$lr processes=$nproc"
 # shellcheck disable=SC2086  # TORCHRUN_ARGS is a list of flags
-exec torchrun ${TORCHRUN_ARGS:---standalone} --nproc_per_node "$nproc" torchrun_main.py \
+exec bash utils/launch_trainer.sh torchrun ${TORCHRUN_ARGS:---standalone} --nproc_per_node "$nproc" torchrun_main.py \
     --model_config configs/llama_350m.json \
     --norm_type "$norm_type" ${post_num:+--post_num "$post_num"} \
     --lr $lr \

@@ -4,6 +4,7 @@
 # Writes runs/tiny_<norm>-<time>/ (metrics.jsonl, results.json, loss_curve.png, model_<step>/) and prints the paths.
 # PYTHON picks the interpreter (default: python); NPROC=2 runs two CPU processes through torchrun (gloo).
 # On a busy machine OMP_NUM_THREADS=1 is much faster (threads of one process stop waiting on each other).
+# Exit code: 0 finished, 2 bad input, 3 diverged (read back from the ranks by utils/launch_trainer.sh).
 set -euo pipefail
 cd "$(dirname "$0")"
 norm_type=${1:?usage: bash run_tiny.sh NORM_TYPE [POST_NUM] [extra torchrun_main.py flags]}
@@ -20,7 +21,7 @@ export WANDB_MODE=${WANDB_MODE:-disabled}  # a smoke run: no wandb files unless 
 if [[ $nproc -gt 1 ]]; then launcher=("$python" -m torch.distributed.run --standalone --nproc_per_node "$nproc")
 else launcher=("$python"); fi
 echo "run_tiny.sh: norm_type=$norm_type post_num=${post_num:-none} processes=$nproc (CPU, embedded corpus)"
-exec "${launcher[@]}" torchrun_main.py \
+exec bash utils/launch_trainer.sh "${launcher[@]}" torchrun_main.py \
     --model_config configs/llama_tiny_deep.json \
     --norm_type "$norm_type" ${post_num:+--post_num "$post_num"} \
     --dataset embedded \

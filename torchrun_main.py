@@ -14,6 +14,7 @@ Exit codes:
 
 The run folder (peft_pretraining/run_folder.py) is locked by rank 0 for the whole run, recovered at start-up after a
 crash, and holds one history: resuming from step k moves the folder's later checkpoints into superseded/.
+torchrun reports any failed rank as 1; run_*.sh read each rank's own code back (utils/launch_trainer.sh).
 """
 import contextlib
 import json
@@ -24,7 +25,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from peft_pretraining import args_utils, checkpointing, run_folder, training_utils
@@ -35,6 +35,7 @@ from peft_pretraining.dataloader import (
     iter_eval_batches,
     load_tokenizer,
 )
+from peft_pretraining.distributed import grad_sync, init_distributed, report_exit_code, wrap_model
 from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config, canonical_norm_type
 
 VOCAB_MULTIPLE = 64
@@ -47,23 +48,6 @@ class BadInput(Exception):
 # ----------------------------------------------------------------------------------------------------------------
 # Set-up
 # ----------------------------------------------------------------------------------------------------------------
-
-def init_distributed(args):
-    """Always a process group: torchrun's env:// rendezvous, or a one-process group so collectives are no-ops."""
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
-    if "RANK" in os.environ:
-        dist.init_process_group(backend=backend, device_id=device if use_cuda else None)
-    else:
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
-    return dist.get_rank(), dist.get_world_size(), device
-
 
 def open_run_folder(args, rank: int, resume_step: int | None, on_exit: contextlib.ExitStack, log) -> str:
     """--save_dir, or runs/<run_name>-<UTC time> chosen by rank 0 and shared so every rank agrees.
@@ -142,32 +126,6 @@ def check_checkpoint_matches(args, config, checkpoint: str):
                            f"checkpoint's {saved.get(key)} (--continue_from {checkpoint})")
 
 
-def wrap_model(model, args, world_size: int, device):
-    """Distributed wrapping stays out of the model: DDP, FSDP2 (one shard group per block + root), or nothing."""
-    if args.fsdp:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh(device.type, (world_size,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model
-    if world_size > 1:
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                       broadcast_buffers=False)
-    return model
-
-
-def grad_sync(model, is_last_micro_batch: bool):
-    """Skip the gradient all-reduce on every micro-batch but the last one of an update."""
-    if isinstance(model, DistributedDataParallel):
-        return contextlib.nullcontext() if is_last_micro_batch else model.no_sync()
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(is_last_micro_batch)
-    return contextlib.nullcontext()
-
-
 def causal_mask_suffices(batch: dict) -> bool:
     """True when every row is real tokens then padding, and no pad is a label (checked on the CPU copy).
 
@@ -199,7 +157,10 @@ def autocast_for(args, device):
 # ----------------------------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
-    args = args_utils.parse_args(argv)
+    try:
+        args = args_utils.parse_args(argv)
+    except SystemExit as exit:  # a bad command line (2) or --help (0)
+        return report_exit_code(exit.code)
     rank, world_size, device = init_distributed(args)
 
     def error(message, exit_code: int) -> int:
@@ -209,19 +170,21 @@ def main(argv=None) -> int:
 
     try:
         with contextlib.ExitStack() as on_exit:  # releases the run folder's lock however the run ends
-            return train(args, rank, world_size, device, on_exit)
+            code = train(args, rank, world_size, device, on_exit)
+        dist.barrier()  # torchrun stops every rank once one exits non-zero: leave after rank 0 wrote results.json
     except (BadInput, training_utils.CheckpointError) as err:
-        return error(err, 2)
+        code = error(err, 2)
     except run_folder.SaveFailed as err:  # raised on every rank, with the code rank 0 chose
-        return error(err, err.exit_code)
+        code = error(err, err.exit_code)
     except Exception as err:
         if not run_folder.is_no_space(err, args.save_dir):
             raise
-        return error(f"run folder {args.save_dir}: no space left on device ({err.__class__.__name__})",
+        code = error(f"run folder {args.save_dir}: no space left on device ({err.__class__.__name__})",
                      run_folder.EXIT_NO_SPACE)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    return report_exit_code(code)
 
 
 def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStack) -> int:

@@ -13,6 +13,7 @@ import re
 import torch
 
 from peft_pretraining import run_folder
+from peft_pretraining.distributed import DEFAULT_TIMEOUT_MINUTES
 from peft_pretraining.modeling_llama import (
     DEEPNORM_INITS,
     DEFAULT_COMPLETEP_ALPHA,
@@ -155,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     system.add_argument("--fsdp", action="store_true", help="shard with FSDP2 fully_shard instead of DDP")
     system.add_argument("--compile", action="store_true",
                         help="run the wrapped model through torch.compile (see utils/benchmark_model.py)")
+    system.add_argument("--dist_timeout_minutes", type=float, default=DEFAULT_TIMEOUT_MINUTES,
+                        help="how long a collective waits for the slowest rank before the run fails (the default "
+                             "covers rank 0 writing a 1B checkpoint to a slow disk)")
     system.add_argument("--single_gpu", action="store_true",
                         help="reference compatibility: no DDP wrapper (only valid with one process)")
     return p
@@ -341,6 +345,8 @@ def check_args(args, parser, world_size: int):
         parser.error(f"--single_gpu trains without DDP and needs one process, but world size is {world_size}")
     if args.fsdp and args.single_gpu:
         parser.error("--fsdp and --single_gpu exclude each other")
+    if not args.dist_timeout_minutes > 0:
+        parser.error(f"--dist_timeout_minutes must be positive, got {args.dist_timeout_minutes}")
     if args.device not in ("auto", "cpu", "cuda"):
         parser.error(f"--device must be auto, cpu or cuda, got {args.device!r}")
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -1,0 +1,149 @@
+"""The trainer's update step on one CUDA GPU: tokens/s, MFU and peak memory (CPU figures: utils/benchmark_model.py).
+
+    python utils/benchmark_gpu.py                                  # 130M and 1B, paper micro-batch, eager + compiled,
+                                                                   # pure bf16 and mixed
+    python utils/benchmark_gpu.py --configs configs/llama_1b.json --batch_size 16 --modes eager --dtypes mixed
+    python utils/benchmark_gpu.py --peak_tflops 400                # a GPU missing from the table below
+
+One step is what torchrun_main.py does per update at accumulation 1: forward (under bf16 autocast for mixed),
+backward, global grad norm, fused Adam step. The model is the trainer's (Pre-LN; --norm_type picks another).
+
+MFU = model FLOPs per second / the GPU's dense bf16 peak, with model FLOPs per token = 6 * N + 12 * L * H * T
+(N: parameters of every matmul, lm_head included, embedding excluded; L layers, H hidden size, T sequence length:
+the PaLM convention, attention not halved for causality). The peak is looked up by device name and printed.
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from peft_pretraining import training_utils  # noqa: E402
+from peft_pretraining.modeling_llama import NORM_TYPES, LlamaForCausalLM, build_config  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+# The paper's per-GPU micro-batch (run_<size>.sh --batch_size), sequence length 256.
+PAPER_MICRO_BATCH = {"llama_130m.json": 64, "llama_250m.json": 128, "llama_350m.json": 128, "llama_1b.json": 32}
+# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, TFLOP/s. The first matching name wins, so
+# more specific names come first.
+DENSE_BF16_PEAK_TFLOPS = [
+    ("H100 PCIe", 756), ("H100 NVL", 835), ("GH200", 989), ("H200", 989), ("H100", 989),  # H100 SXM (HBM3)
+    ("B200", 2250), ("A100", 312), ("L40S", 362), ("L4", 121), ("A10", 125),
+]
+
+
+def dense_bf16_peak_tflops(device_name: str) -> float | None:
+    return next((peak for name, peak in DENSE_BF16_PEAK_TFLOPS if name in device_name), None)
+
+
+def model_flops_per_token(config, seq_len: int) -> int:
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    matmul_params = layers * (4 * hidden * hidden + 3 * hidden * config.intermediate_size) + hidden * config.vocab_size
+    return 6 * matmul_params + 12 * layers * hidden * seq_len
+
+
+def measure(config_path, *, dtype: str, compiled: bool, batch: int, seq_len: int, steps: int, warmup: int,
+            norm_type: str, activation_checkpointing: bool) -> dict:
+    device = torch.device("cuda")
+    config = build_config(config_path, norm_type=norm_type)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    if dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+    model = model.to(device).train()
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable()
+    runner = torch.compile(model) if compiled else model
+    optimizer = training_utils.build_optimizer(model.parameters(), "adam", 1e-4, 0.0)
+    tokens = torch.randint(0, config.vocab_size, (batch, seq_len), device=device)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == "mixed"):
+            loss = runner(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        training_utils.grad_norm_and_clip(model.parameters(), 0.0)  # the trainer logs it every update
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):  # compilation, cuBLAS heuristics, allocator growth
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    seconds = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    median = statistics.median(seconds)
+    tokens_per_s = batch * seq_len / median
+    return {"config": Path(config_path).name, "dtype": dtype, "compiled": compiled, "batch": batch,
+            "seq_len": seq_len, "activation_checkpointing": activation_checkpointing,
+            "step_ms_median": round(median * 1e3, 2), "step_ms_min": round(min(seconds) * 1e3, 2),
+            "step_ms_max": round(max(seconds) * 1e3, 2), "tokens_per_s": round(tokens_per_s),
+            "model_tflops_per_s": round(tokens_per_s * model_flops_per_token(config, seq_len) / 1e12, 1),
+            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", nargs="+",
+                        default=[str(REPO / "configs/llama_130m.json"), str(REPO / "configs/llama_1b.json")])
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "mixed"], choices=["bfloat16", "mixed"])
+    parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
+    parser.add_argument("--batch_size", type=int, default=None, help="default: the paper's micro-batch per config")
+    parser.add_argument("--seq_len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps (median reported)")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--norm_type", default="pre", choices=NORM_TYPES)
+    parser.add_argument("--activation_checkpointing", action="store_true")
+    parser.add_argument("--peak_tflops", type=float, default=None,
+                        help="the GPU's dense bf16 peak, for a GPU missing from the built-in table")
+    parser.add_argument("--json", help="also write the rows to this JSON file")
+    args = parser.parse_args(argv)
+
+    def fail(message: str):
+        parser.exit(2, f"benchmark_gpu.py: error: {message}\n")
+
+    if not torch.cuda.is_available():
+        fail("no CUDA device is visible; this benchmark measures the GPU step (utils/benchmark_model.py runs on CPU)")
+    for path in args.configs:
+        if not Path(path).is_file():
+            fail(f"--configs: no such file {path}")
+        if args.batch_size is None and Path(path).name not in PAPER_MICRO_BATCH:
+            fail(f"--configs {path}: no paper micro-batch known for it, pass --batch_size")
+    device_name = torch.cuda.get_device_name()
+    peak = args.peak_tflops or dense_bf16_peak_tflops(device_name)
+    if peak is None:
+        fail(f"no dense bf16 peak known for {device_name!r}; pass --peak_tflops")
+    print(f"device: {device_name}; MFU against a dense bf16 peak of {peak:g} TFLOP/s"
+          f"{' (--peak_tflops)' if args.peak_tflops else ''}", flush=True)
+
+    rows = []
+    for path in args.configs:
+        batch = args.batch_size or PAPER_MICRO_BATCH[Path(path).name]
+        for dtype in args.dtypes:
+            for mode in args.modes:
+                try:
+                    row = measure(path, dtype=dtype, compiled=mode == "compiled", batch=batch, seq_len=args.seq_len,
+                                  steps=args.steps, warmup=args.warmup, norm_type=args.norm_type,
+                                  activation_checkpointing=args.activation_checkpointing)
+                    row["mfu"] = round(row["model_tflops_per_s"] / peak, 3)
+                except torch.OutOfMemoryError:
+                    row = {"config": Path(path).name, "dtype": dtype, "compiled": mode == "compiled",
+                           "batch": batch, "error": "out of memory"}
+                torch.cuda.empty_cache()
+                row.update(device=device_name, peak_tflops=peak)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
