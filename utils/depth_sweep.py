@@ -32,11 +32,11 @@ NORMS = {"pre": "Pre-LN", "lns": "LNS"}
 # five depths fit in the budget; 128 would make the 96-layer runs four times dearer.
 BASE_CONFIG = "configs/llama_tiny.json"
 BUDGETS = {
-    "default": dict(depths=(6, 12, 24, 48, 96), steps=600, warmup=30, batch_size=16, max_length=128,
+    "default": dict(depths=(6, 12, 24, 48, 96), steps=400, warmup=40, batch_size=16, max_length=128,
                     eval_tokens=32_768, seeds=(1, 2, 3), dynamics_points=3, stream_tokens=8_192,
                     jacobian_tokens=32, jacobian_probes=8, removal_documents=16, out="docs/depth_sweep",
                     runs_dir="runs/depth_sweep"),
-    "long": dict(steps=1800, warmup=90, out="docs/depth_sweep_long", runs_dir="runs/depth_sweep_long"),
+    "long": dict(steps=1200, warmup=120, out="docs/depth_sweep_long", runs_dir="runs/depth_sweep_long"),
     "quick": dict(depths=(2, 4), steps=4, warmup=1, batch_size=4, max_length=64, eval_tokens=512, seeds=(1, 2),
                   dynamics_points=2, stream_tokens=256, jacobian_tokens=2, jacobian_probes=0, removal_documents=2,
                   out="runs/depth_sweep_quick/report", runs_dir="runs/depth_sweep_quick"),
@@ -115,7 +115,7 @@ def run_specs(args) -> list[RunSpec]:
                     "--total_batch_size", str(s["batch_size"]), "--lr", "1e-3", "--warmup_steps", str(s["warmup"]),
                     "--num_training_steps", str(s["steps"]), "--eval_every", str(dynamics[0]), "--eval_tokens",
                     str(s["eval_tokens"]), "--grad_clipping", "1.0", "--weight_decay", "0", "--optimizer", "adam",
-                    "--workers", "0", "--device", "cpu", "--dtype", "mixed")
+                    "--workers", "0", "--device", "cpu", "--dtype", "float32")
             for norm in NORMS:
                 specs.append(RunSpec(f"L{depth}-{norm}", seed, (*base, "--norm_type", norm), dynamics))
     return specs
@@ -305,7 +305,7 @@ Deep = the deeper half of the layers.
   {config['num_attention_heads']} heads, vocab {config['vocab_size']}) with L layers; nothing else changes with L.
 - **Budget**: {s['steps']} updates × {s['batch_size']} × {s['max_length']} packed tokens = {tokens / 1e6:.2f} M tokens per
   run at every depth, {tokens / train_tokens:.2f} epochs over the {train_tokens:,}-token training split; Adam, lr 1e-3,
-  {s['warmup']} warmup steps then cosine to 10%, clipping 1.0, mixed precision (fp32 master weights).
+  {s['warmup']} warmup steps then cosine to 10%, clipping 1.0, float32 (on this CPU bf16 products are emulated: see docs/study.md).
   The budget must stay below the corpus's overfitting point at the deepest setting: the table's last column gives
   the step of each run's lowest eval loss (a run still improving has it at its last eval).
 - **Instruments** at steps {', '.join(map(str, study_lib.evenly_spaced_steps(s['steps'], s['dynamics_points'])))}, inside
