@@ -57,13 +57,14 @@ def test_by_seed_gives_none_for_a_diverged_run():
 
 
 def test_record_matches_only_identical_flags_and_settings():
-    settings = study_lib.AnalysisSettings(max_seq_len=64, stream_tokens=10, jacobian_tokens=2, removal_documents=2)
+    settings = study_lib.AnalysisSettings(max_seq_len=64, stream_tokens=10, jacobian_tokens=2, jacobian_probes=0,
+                                          removal_documents=2)
     spec = study_lib.RunSpec("pre", 1, ("--lr", "1e-3"), (2, 4))
     record = dict(version=study_lib.RECORD_VERSION, flags=spec.flags(), analysis_settings=dataclasses.asdict(settings),
                   last_step=4, analyses={"2": {}, "4": {}})
     assert study_lib.record_matches(record, spec, settings)
     assert not study_lib.record_matches(record, study_lib.RunSpec("pre", 1, ("--lr", "2e-3"), (2, 4)), settings)
-    assert not study_lib.record_matches(record, spec, study_lib.AnalysisSettings(64, 20, 2, 2))
+    assert not study_lib.record_matches(record, spec, study_lib.AnalysisSettings(64, 20, 2, 0, 2))
     assert not study_lib.record_matches(dict(record, analyses={"4": {}}), spec, settings)
 
 

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from utils import study_lib, verdicts  # noqa: E402
-from utils.study_lib import AnalysisSettings, RunSpec  # noqa: E402
+from utils.study_lib import RunSpec  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,43 +88,22 @@ BUDGETS = {
 }
 
 
-def budget(name: str) -> dict:
-    return {**BUDGETS["default"], **BUDGETS[name]}
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budget", default="default", choices=sorted(BUDGETS), help="named budget (see above)")
-    parser.add_argument("--quick", action="store_true", help="same as --budget quick (the CI smoke test)")
+    study_lib.add_study_arguments(parser, BUDGETS)
     parser.add_argument("--arms", nargs="+", default=None, help=f"only these arms (of {', '.join(ARM_BY_NAME)})")
-    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="override the budget's seeds")
-    parser.add_argument("--out", default=None, help="report folder (its runs/ subfolder holds the run records)")
-    parser.add_argument("--runs_dir", default=None, help="where the training runs and checkpoints go")
-    parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each (default 2: one per core)")
-    parser.add_argument("--max_hours", type=float, default=None,
-                        help="start no new run after this many hours; the next invocation continues")
-    parser.add_argument("--report_only", action="store_true", help="write the report from the saved records")
-    parser.add_argument("--fresh", action="store_true", help="retrain and re-analyse even where records exist")
     return parser
 
 
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.quick:
-        args.budget = "quick"
-    args.settings = budget(args.budget)
+    study_lib.resolve_study_args(parser, args, BUDGETS)
     if args.seeds:
         args.settings["seeds"] = args.settings["other_seeds"] = tuple(args.seeds)
-    if args.jobs < 1:
-        parser.error(f"--jobs must be positive, got {args.jobs}")
-    if args.max_hours is not None and args.max_hours <= 0:
-        parser.error(f"--max_hours must be positive, got {args.max_hours}")
     unknown = sorted(set(args.arms or ()) - set(ARM_BY_NAME))
     if unknown:
         parser.error(f"--arms: unknown {', '.join(unknown)}; valid: {', '.join(ARM_BY_NAME)}")
-    args.out = Path(args.out or REPO / args.settings["out"])
-    args.runs_dir = Path(args.runs_dir or REPO / args.settings["runs_dir"])
     return args
 
 
@@ -153,24 +132,6 @@ def run_specs(args, arms: list[Arm]) -> list[RunSpec]:
                 steps = dynamics if group in ("core", "precision") else (s["steps"],)
                 specs.append(RunSpec(arm.name, seed, (*base, *arm.flags, *extra, "--dtype", arm.dtype), steps))
     return specs
-
-
-def analysis_settings(args) -> AnalysisSettings:
-    s = args.settings
-    return AnalysisSettings(max_seq_len=s["max_length"], stream_tokens=s["stream_tokens"],
-                            jacobian_tokens=s["jacobian_tokens"], jacobian_probes=s["jacobian_probes"],
-                            removal_documents=s["removal_documents"])
-
-
-def run_all(args, specs: list[RunSpec]) -> tuple[dict, list[RunSpec]]:
-    """Train and analyse every run without a record; with --max_hours, no run starts after the deadline."""
-    settings = analysis_settings(args)
-    records_dir = args.out / "runs"
-    if args.report_only:
-        records = study_lib.load_records(specs, settings, records_dir)
-        return records, [spec for spec in specs if spec.name not in records]
-    deadline = None if args.max_hours is None else time.time() + 3600 * args.max_hours
-    return study_lib.run_jobs(specs, settings, args.runs_dir, records_dir, args.jobs, args.fresh, deadline)
 
 
 # ------------------------------------------------------------------------------------------------------ verdicts
@@ -373,7 +334,7 @@ Raw numbers: one JSON record per run in `runs/` (flags, eval curve, every analys
     summary = dict(budget=args.budget, settings=s, verdicts={k: [v.as_dict() for v in vs]
                                                              for k, vs in all_verdicts.items()},
                    runs=sorted(records), missing=[spec.name for spec in skipped])
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    study_lib.write_summary(out, summary)
     return report
 
 
@@ -383,7 +344,7 @@ def main(argv=None) -> int:
     started = time.time()
     arms = study_arms(args)
     specs = run_specs(args, arms)
-    records, skipped = run_all(args, specs)
+    records, skipped = study_lib.collect_records(args, specs)
     report = write_report(args, arms, records, skipped, started, argv)
     print(f"report: {report}")
     return 0

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from utils import study_lib, verdicts  # noqa: E402
-from utils.study_lib import AnalysisSettings, RunSpec  # noqa: E402
+from utils.study_lib import RunSpec  # noqa: E402
 
 NORMS = {"pre": "Pre-LN", "lns": "LNS"}
 # Hidden 64 (head dim 16): at 96 layers a run costs about what the 24-layer, hidden-128 study model costs, so the
@@ -53,26 +53,15 @@ PREDICTIONS = [
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budget", default="default", choices=sorted(BUDGETS))
-    parser.add_argument("--quick", action="store_true", help="same as --budget quick (the CI smoke test)")
+    study_lib.add_study_arguments(parser, BUDGETS)
     parser.add_argument("--depths", nargs="+", type=int, default=None, help="override the budget's depths")
-    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="override the budget's seeds")
-    parser.add_argument("--out", default=None, help="report folder (its runs/ subfolder holds the run records)")
-    parser.add_argument("--runs_dir", default=None, help="where the training runs and checkpoints go")
-    parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each")
-    parser.add_argument("--max_hours", type=float, default=None,
-                        help="start no new run after this many hours; the next invocation continues")
-    parser.add_argument("--report_only", action="store_true", help="write the report from the saved records")
-    parser.add_argument("--fresh", action="store_true", help="retrain and re-analyse even where records exist")
     return parser
 
 
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.quick:
-        args.budget = "quick"
-    args.settings = {**BUDGETS["default"], **BUDGETS[args.budget]}
+    study_lib.resolve_study_args(parser, args, BUDGETS)
     if args.depths:
         args.settings["depths"] = tuple(args.depths)
     if args.seeds:
@@ -81,12 +70,6 @@ def parse_args(argv=None):
         parser.error(f"--depths: every depth must be at least 2, got {args.settings['depths']}")
     if len(set(args.settings["depths"])) < 2:
         parser.error("--depths: give at least two different depths (the verdicts are slopes against depth)")
-    if args.jobs < 1:
-        parser.error(f"--jobs must be positive, got {args.jobs}")
-    if args.max_hours is not None and args.max_hours <= 0:
-        parser.error(f"--max_hours must be positive, got {args.max_hours}")
-    args.out = Path(args.out or REPO / args.settings["out"])
-    args.runs_dir = Path(args.runs_dir or REPO / args.settings["runs_dir"])
     return args
 
 
@@ -324,7 +307,7 @@ Raw numbers: one JSON record per run in `runs/`, and `summary.json`.
     summary = dict(budget=args.budget, settings=s, predictions=[v.as_dict() for v in predictions],
                    gaps=[v.as_dict() for v in gaps], runs=sorted(records),
                    missing=[spec.name for spec in skipped])
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    study_lib.write_summary(out, summary)
     return report
 
 
@@ -332,19 +315,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     started = time.time()
-    specs = run_specs(args)
-    settings = AnalysisSettings(max_seq_len=args.settings["max_length"], stream_tokens=args.settings["stream_tokens"],
-                                jacobian_tokens=args.settings["jacobian_tokens"],
-                                jacobian_probes=args.settings["jacobian_probes"],
-                                removal_documents=args.settings["removal_documents"])
-    records_dir = args.out / "runs"
-    if args.report_only:
-        records = study_lib.load_records(specs, settings, records_dir)
-        skipped = [spec for spec in specs if spec.name not in records]
-    else:
-        deadline = None if args.max_hours is None else time.time() + 3600 * args.max_hours
-        records, skipped = study_lib.run_jobs(specs, settings, args.runs_dir, records_dir, args.jobs, args.fresh,
-                                              deadline)
+    records, skipped = study_lib.collect_records(args, run_specs(args))
     report = write_report(args, records, skipped, started, argv)
     print(f"report: {report}")
     return 0

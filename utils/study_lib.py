@@ -74,6 +74,54 @@ def save_every_for(steps: tuple[int, ...]) -> int:
     return math.gcd(*steps)
 
 
+# ------------------------------------------------------------------------------------------------------ command line
+def add_study_arguments(parser: argparse.ArgumentParser, budgets: dict) -> None:
+    """The flags both studies share: the named budget, seeds, folders, parallelism and resumption."""
+    parser.add_argument("--budget", default="default", choices=sorted(budgets), help="named budget (see above)")
+    parser.add_argument("--quick", action="store_true", help="same as --budget quick (the CI smoke test)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="override the budget's seeds")
+    parser.add_argument("--out", default=None, help="report folder (its runs/ subfolder holds the run records)")
+    parser.add_argument("--runs_dir", default=None, help="where the training runs and checkpoints go")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each (default 2: one per core)")
+    parser.add_argument("--max_hours", type=float, default=None,
+                        help="start no new run after this many hours; the next invocation continues")
+    parser.add_argument("--report_only", action="store_true", help="write the report from the saved records")
+    parser.add_argument("--fresh", action="store_true", help="retrain and re-analyse even where records exist")
+
+
+def resolve_study_args(parser: argparse.ArgumentParser, args, budgets: dict) -> None:
+    """args.settings (the budget, over the default one), args.out and args.runs_dir; one-line errors for bad values."""
+    if args.quick:
+        args.budget = "quick"
+    args.settings = {**budgets["default"], **budgets[args.budget]}
+    if args.jobs < 1:
+        parser.error(f"--jobs must be positive, got {args.jobs}")
+    if args.max_hours is not None and args.max_hours <= 0:
+        parser.error(f"--max_hours must be positive, got {args.max_hours}")
+    args.out = Path(args.out or REPO / args.settings["out"])
+    args.runs_dir = Path(args.runs_dir or REPO / args.settings["runs_dir"])
+
+
+def analysis_settings(settings: dict) -> AnalysisSettings:
+    return AnalysisSettings(**{field.name: settings[field.name if field.name != "max_seq_len" else "max_length"]
+                               for field in dataclasses.fields(AnalysisSettings)})
+
+
+def collect_records(args, specs: list[RunSpec]) -> tuple[dict[str, dict], list[RunSpec]]:
+    """The records of every spec: read back (--report_only), or made by running the jobs that have none."""
+    settings = analysis_settings(args.settings)
+    records_dir = args.out / "runs"
+    if args.report_only:
+        records = load_records(specs, settings, records_dir)
+        return records, [spec for spec in specs if spec.name not in records]
+    deadline = None if args.max_hours is None else time.time() + 3600 * args.max_hours
+    return run_jobs(specs, settings, args.runs_dir, records_dir, args.jobs, args.fresh, deadline)
+
+
+def write_summary(out: Path, payload: dict) -> None:
+    (out / "summary.json").write_text(json.dumps(payload, indent=1, default=str))
+
+
 # ------------------------------------------------------------------------------------------------------ one job
 def _run_logged(cmd: list[str], log_path: Path, env: dict) -> int:
     log_path.parent.mkdir(parents=True, exist_ok=True)
