@@ -90,7 +90,7 @@ def measure(config_path, *, dtype: str, compiled: bool, batch: int, seq_len: int
             "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+",
                         default=[str(REPO / "configs/llama_130m.json"), str(REPO / "configs/llama_1b.json")])
@@ -105,6 +105,11 @@ def main(argv=None):
     parser.add_argument("--peak_tflops", type=float, default=None,
                         help="the GPU's dense bf16 peak, for a GPU missing from the built-in table")
     parser.add_argument("--json", help="also write the rows to this JSON file")
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     def fail(message: str):

@@ -155,7 +155,7 @@ def measure_step_peak_rss(config, dtype: str, batch: int, seq_len: int, activati
     return _status_bytes("VmHWM") - weights_only
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(REPO / "configs/llama_1b.json"))
     parser.add_argument("--batch_size", type=int, default=32)
@@ -166,6 +166,11 @@ def main(argv=None):
                         help="compare the formula's peak (all but the weights) with the peak RSS of a CPU step; "
                              "add --activation_checkpointing; one measurement per process")
     parser.add_argument("--activation_checkpointing", action="store_true")
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     for path in (args.config, args.check, args.check_rss and args.check_rss[0]):
         if path is not None and not Path(path).is_file():

@@ -101,10 +101,15 @@ def write_t5_style_tokenizer(out_dir, vocab_size: int = T5_VOCAB_SIZE) -> pathli
     return out_dir
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=("c4", "t5"))
     parser.add_argument("out_dir")
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     path = write_c4_layout(args.out_dir) if args.what == "c4" else write_t5_style_tokenizer(args.out_dir)
     print(path)
