@@ -257,7 +257,7 @@ def write_csv(path: Path, rows):
             writer.writerows(rows)
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", nargs="+", default=["model", "trainer"], choices=["model", "trainer"])
     parser.add_argument("--before", default="main", help="git revision whose model and trainer are 'before'")
@@ -279,6 +279,11 @@ def parse_args(argv=None):
                         help="eager: the trainer's defaults; compile: with --compile; each run for both trees")
     parser.add_argument("--out", default=str(REPO / "runs" / "benchmark_model"))
     parser.add_argument("--quick", action="store_true", help="tiny config and budget: checks that everything runs")
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
         args.shapes, args.modes, args.repeats, args.steps = ["configs/llama_tiny.json:2:32"], ["eager"], 1, 1
