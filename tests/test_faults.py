@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import torchrun_main
 from peft_pretraining import run_folder, training_utils
@@ -106,7 +107,7 @@ def rows(run_dir: Path) -> list[dict]:
 
 
 def weights(checkpoint: Path) -> dict:
-    return training_utils.load_model_weights(str(checkpoint))
+    return load_file(str(checkpoint / "model.safetensors"))
 
 
 def assert_same_weights(a: Path, b: Path):
@@ -400,8 +401,11 @@ def test_malformed_checkpoint_config_is_one_line_exit_2_everywhere(problem, refe
     config_file = checkpoint / "config.json"
     config_file.write_text(BAD_CONFIGS[problem] or json.dumps(dict(json.loads(config_file.read_text()),
                                                                    norm_type="bogus")))
+    def trainer():  # torchrun_main.main returns its exit code (the run scripts read it back) instead of raising
+        raise SystemExit(train("--continue_from", checkpoint, "--save_dir", tmp_path / "out"))
+
     calls = {
-        "torchrun_main": lambda: train("--continue_from", checkpoint, "--save_dir", tmp_path / "out"),
+        "torchrun_main": trainer,
         "angular_analysis": lambda: tool_main("angular_analysis")(["--model_path", str(checkpoint)]),
         "variance_analysis": lambda: tool_main("variance_analysis")(["--model_paths", str(checkpoint)]),
         "layer_remove": lambda: tool_main("layer_remove")(["--model_path", str(checkpoint), "--layer_index", "0",

@@ -26,11 +26,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from peft_pretraining import modeling_llama  # noqa: E402
 from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -97,7 +99,10 @@ def estimate(config, dtype: str, batch: int, seq_len: int, activation_checkpoint
 
 
 def measure_saved_bytes(config, dtype: str, batch: int, seq_len: int, activation_checkpointing: bool) -> int:
-    """Bytes autograd saves for backward in one forward on CPU, each storage counted once, parameters excluded."""
+    """Bytes autograd saves for backward in one forward on CPU, each storage counted once, parameters excluded.
+
+    Attention runs on SDPA's flash kernel, as on a GPU: the CPU's bf16 choice (the math kernel) would also save the
+    attention probabilities, which the GPU estimate rightly leaves out."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     if dtype == "bfloat16":
@@ -115,7 +120,8 @@ def measure_saved_bytes(config, dtype: str, batch: int, seq_len: int, activation
         return tensor
 
     tokens = torch.randint(0, config.vocab_size, (batch, seq_len))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    gpu_kernel = mock.patch.object(modeling_llama, "CPU_MATH_SDPA_MAX_LEN", 0)
+    with gpu_kernel, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "mixed"):
             loss = model(input_ids=tokens, labels=tokens).loss
     del loss
