@@ -457,6 +457,8 @@ def plot_dynamics(records: dict[str, dict], arms: dict[str, str], path: Path, me
 
 def plot_layer_profiles(records: dict[str, dict], arms: dict[str, str], path: Path) -> Path:
     """Per-layer measures at each run's last analysed checkpoint, mean over seeds."""
+    import matplotlib.ticker
+
     plt = pyplot()
     panels = [("variance", "residual variance (0 = embeddings)", True), ("angular_next", "d(l, l+1)/pi", False),
               ("jacobian_rel_identity_dev", "‖J − I‖_F / √d", False),
@@ -471,9 +473,11 @@ def plot_layer_profiles(records: dict[str, dict], arms: dict[str, str], path: Pa
                     curves.append([np.nan if v is None else v for v in record["analyses"][last][key]])
             if curves:
                 width = min(len(c) for c in curves)
-                ax.plot(np.nanmean([c[:width] for c in curves], axis=0), marker="o", markersize=2.5, label=label)
+                ax.plot(np.nanmean([c[:width] for c in curves], axis=0), marker="o", markersize=2.5, label=label,
+                        linestyle="--" if "bf16" in arm else "-")
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("layer")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         if log_scale:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
