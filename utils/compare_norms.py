@@ -242,10 +242,9 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
         same = sum(a.status == b.status for a, b in zip(va, vb))
         sections.append(f"### Does precision change the conclusions?\n\n{same} of {len(va)} verdicts are the same "
                         f"under {name_a} and {name_b}:\n\n" + "\n".join(f"- {line}" for line in agree))
-    others = [a for a in arms if a.name in present and a.group in ("norms", "rivals")]
     table_arms = [a for a in arms if a.name in present and a.group in ("core", "norms", "rivals")]
     table = ""
-    if "pre" in present and others:
+    if "pre" in present:
         rows, _ = loss_vs_pre_rows(records, table_arms)
         table = ("| arm | eval loss (mean) | finished/seeds | eval loss − Pre-LN [95% CI], seeds agreeing | "
                  "deep d(l,l+1) | deep removal cost | deep J dev | variance growth |\n|---|---|---|---|---|---|---|---|\n"
