@@ -1,6 +1,6 @@
 """CPU-scale study: Pre-LN against LNS (and the other placements) on one data set and budget, with every instrument.
 
-    python utils/compare_norms.py                      # default budget: at most about 2 hours on 2 CPU cores
+    python utils/compare_norms.py                      # default budget: about 2.2 hours on 2 CPU cores (estimated)
     python utils/compare_norms.py --budget rivals      # + every other baseline and rival (resumes across calls)
     python utils/compare_norms.py --budget long        # Pre-LN vs LNS at 4x the steps (resumes across calls)
     python utils/compare_norms.py --quick              # smoke test (CI), a few minutes

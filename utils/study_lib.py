@@ -444,6 +444,8 @@ def plot_dynamics(records: dict[str, dict], arms: dict[str, str], path: Path, me
                             color=line.get_color())
         ax.set_title(MEASURES[measure], fontsize=9)
         ax.set_xlabel("update step")
+        if measure == "variance_growth":  # early in training the first layer's variance is tiny: ratios in the 1000s
+            ax.set_yscale("log")
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(measures):]:
         ax.axis("off")
