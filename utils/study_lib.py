@@ -462,11 +462,12 @@ def plot_layer_profiles(records: dict[str, dict], arms: dict[str, str], path: Pa
     import matplotlib.ticker
 
     plt = pyplot()
-    panels = [("variance", "residual variance (0 = embeddings)", True), ("angular_next", "d(l, l+1)/pi", False),
-              ("jacobian_rel_identity_dev", "‖J − I‖_F / √d", False),
-              ("removal_nats", "removal cost (nats/word)", False)]
+    # Layer 0 dwarfs the others in the last two panels: a symmetric log scale keeps the deep layers visible.
+    panels = [("variance", "residual variance (0 = embeddings)", "log"), ("angular_next", "d(l, l+1)/pi", "linear"),
+              ("jacobian_rel_identity_dev", "‖J − I‖_F / √d", "symlog"),
+              ("removal_nats", "removal cost (nats/word)", "symlog")]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.4))
-    for ax, (key, title, log_scale) in zip(axes, panels):
+    for ax, (key, title, scale) in zip(axes, panels):
         for arm, label in arms.items():
             curves = []
             for record in records.values():
@@ -480,8 +481,10 @@ def plot_layer_profiles(records: dict[str, dict], arms: dict[str, str], path: Pa
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("layer")
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-        if log_scale:
-            ax.set_yscale("log")
+        if scale == "symlog":
+            ax.set_yscale("symlog", linthresh=1e-2)
+        else:
+            ax.set_yscale(scale)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
