@@ -258,7 +258,8 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
 
     steps_info = study_lib.evenly_spaced_steps(s["steps"], s["dynamics_points"])
     tokens = s["steps"] * s["batch_size"] * s["max_length"]
-    epochs = tokens / study_lib.embedded_train_tokens()
+    train_tokens = study_lib.embedded_train_tokens()
+    epochs = tokens / train_tokens
     speeds = [r["tokens_per_s_median"] for r in records.values() if r.get("tokens_per_s_median")]
     train_minutes = sum(r["train_seconds"] for r in records.values()) / 60
     config = json.loads((REPO / s["model_config"]).read_text())
@@ -302,7 +303,7 @@ Deep = the deeper half of the layers. Removal cost = ln(perplexity without the l
   intermediate {config['intermediate_size']}, {config['num_attention_heads']} heads, vocab {config['vocab_size']}.
 - **Data**: the embedded Jane Austen corpus (five novels to train, *Persuasion* held out), packed into windows of
   {s['max_length']} tokens. {s['steps']} updates × {s['batch_size']} × {s['max_length']} = {tokens / 1e6:.2f} M tokens
-  per run = {epochs:.2f} epochs over the {study_lib.embedded_train_tokens():,}-token training split.
+  per run = {epochs:.2f} epochs over the {train_tokens:,}-token training split.
 - **Training**: Adam, lr 1e-3, {s['warmup']} warmup steps then cosine to 10%, grad clipping 1.0, no weight decay;
   float32 unless the arm says pure bf16. {STUDY_DTYPE_REASON} Seeds
   {', '.join(map(str, s['seeds']))} ({', '.join(map(str, s['other_seeds']))} for Post-LN, Mix-LN and DeepNorm): a
@@ -328,13 +329,10 @@ its last eval is still improving, so the budget has not reached the corpus's ove
 
 Raw numbers: one JSON record per run in `runs/` (flags, eval curve, every analysis at every analysed checkpoint).
 """
-    report = out / "report.md"
-    report.write_text(text)
     summary = dict(budget=args.budget, settings=s, verdicts={k: [v.as_dict() for v in vs]
                                                              for k, vs in all_verdicts.items()},
                    runs=sorted(records), missing=[spec.name for spec in skipped])
-    study_lib.write_summary(out, summary)
-    return report
+    return study_lib.write_report_files(out, text, summary)
 
 
 def main(argv=None) -> int:

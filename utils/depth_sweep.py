@@ -176,14 +176,8 @@ def plot_against_depth(args, records, path: Path) -> Path:
         ax.set_title(study_lib.MEASURES[measure], fontsize=9)
         ax.set_xlabel("layers L")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(measures):]:
-        ax.axis("off")
-    axes.flat[0].legend(fontsize=8)
-    fig.suptitle("Final checkpoint against depth (mean over seeds, 95% t-interval)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=140)
-    plt.close(fig)
-    return path
+    return study_lib.finish_grid(fig, axes, len(measures),
+                                 "Final checkpoint against depth (mean over seeds, 95% t-interval)", path)
 
 
 def plot_gap(gaps: list[verdicts.Verdict], depths, path: Path) -> Path:
@@ -302,13 +296,10 @@ Deep = the deeper half of the layers.
 
 Raw numbers: one JSON record per run in `runs/`, and `summary.json`.
 """
-    report = out / "report.md"
-    report.write_text(text)
     summary = dict(budget=args.budget, settings=s, predictions=[v.as_dict() for v in predictions],
                    gaps=[v.as_dict() for v in gaps], runs=sorted(records),
                    missing=[spec.name for spec in skipped])
-    study_lib.write_summary(out, summary)
-    return report
+    return study_lib.write_report_files(out, text, summary)
 
 
 def main(argv=None) -> int:

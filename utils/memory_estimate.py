@@ -98,11 +98,8 @@ def estimate(config, dtype: str, batch: int, seq_len: int, activation_checkpoint
     return row
 
 
-def measure_saved_bytes(config, dtype: str, batch: int, seq_len: int, activation_checkpointing: bool) -> int:
-    """Bytes autograd saves for backward in one forward on CPU, each storage counted once, parameters excluded.
-
-    Attention runs on SDPA's flash kernel, as on a GPU: the CPU's bf16 choice (the math kernel) would also save the
-    attention probabilities, which the GPU estimate rightly leaves out."""
+def _training_model(config, dtype: str, activation_checkpointing: bool):
+    """The model as the trainer runs it in `dtype` (seeded, so both measurements see the same weights)."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     if dtype == "bfloat16":
@@ -110,6 +107,15 @@ def measure_saved_bytes(config, dtype: str, batch: int, seq_len: int, activation
     model.train()
     if activation_checkpointing:
         model.gradient_checkpointing_enable()
+    return model
+
+
+def measure_saved_bytes(config, dtype: str, batch: int, seq_len: int, activation_checkpointing: bool) -> int:
+    """Bytes autograd saves for backward in one forward on CPU, each storage counted once, parameters excluded.
+
+    Attention runs on SDPA's flash kernel, as on a GPU: the CPU's bf16 choice (the math kernel) would also save the
+    attention probabilities, which the GPU estimate rightly leaves out."""
+    model = _training_model(config, dtype, activation_checkpointing)
     own = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = {}
 
@@ -136,13 +142,7 @@ def _status_bytes(key: str) -> int:
 def measure_step_peak_rss(config, dtype: str, batch: int, seq_len: int, activation_checkpointing: bool) -> int:
     """Peak RSS growth over the weights during a steady training step on CPU (Linux): the second step, Adam state
     already allocated, gradients set to None between steps as in the trainer. Run once per process."""
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    if dtype == "bfloat16":
-        model = model.to(torch.bfloat16)
-    model.train()
-    if activation_checkpointing:
-        model.gradient_checkpointing_enable()
+    model = _training_model(config, dtype, activation_checkpointing)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=False)  # no foreach temporaries
     tokens = torch.randint(0, config.vocab_size, (batch, seq_len))
 

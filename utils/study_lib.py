@@ -118,8 +118,12 @@ def collect_records(args, specs: list[RunSpec]) -> tuple[dict[str, dict], list[R
     return run_jobs(specs, settings, args.runs_dir, records_dir, args.jobs, args.fresh, deadline)
 
 
-def write_summary(out: Path, payload: dict) -> None:
-    (out / "summary.json").write_text(json.dumps(payload, indent=1, default=str))
+def write_report_files(out: Path, text: str, summary: dict) -> Path:
+    """report.md and summary.json in the report folder; returns the report's path."""
+    report = out / "report.md"
+    report.write_text(text)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    return report
 
 
 # ------------------------------------------------------------------------------------------------------ one job
@@ -420,6 +424,18 @@ def pyplot():
     return plt
 
 
+def finish_grid(fig, axes, panels_used: int, title: str, path: Path) -> Path:
+    """Hide the unused panels of a grid, put the legend on the first, title, save and close the figure."""
+    for ax in list(axes.flat)[panels_used:]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=140)
+    pyplot().close(fig)
+    return path
+
+
 def plot_dynamics(records: dict[str, dict], arms: dict[str, str], path: Path, measures=None) -> Path:
     """Each measure against the training step: one line per arm (mean over seeds), shaded from min to max."""
     plt = pyplot()
@@ -447,14 +463,7 @@ def plot_dynamics(records: dict[str, dict], arms: dict[str, str], path: Path, me
         if measure == "variance_growth":  # early in training the first layer's variance is tiny: ratios in the 1000s
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(measures):]:
-        ax.axis("off")
-    axes.flat[0].legend(fontsize=8)
-    fig.suptitle("Training dynamics (line: mean over seeds; band: min to max)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=140)
-    plt.close(fig)
-    return path
+    return finish_grid(fig, axes, len(measures), "Training dynamics (line: mean over seeds; band: min to max)", path)
 
 
 def plot_layer_profiles(records: dict[str, dict], arms: dict[str, str], path: Path) -> Path:
