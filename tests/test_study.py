@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from utils import depth_sweep, study_lib
+from utils import compare_norms, depth_sweep, study_lib
 
 
 def test_evenly_spaced_steps_end_at_the_last_step_and_share_a_save_interval():
@@ -66,6 +66,24 @@ def test_record_matches_only_identical_flags_and_settings():
     assert not study_lib.record_matches(record, study_lib.RunSpec("pre", 1, ("--lr", "2e-3"), (2, 4)), settings)
     assert not study_lib.record_matches(record, spec, study_lib.AnalysisSettings(64, 20, 2, 0, 2))
     assert not study_lib.record_matches(dict(record, analyses={"4": {}}), spec, settings)
+
+
+def test_compare_norms_budgets_give_each_group_its_seeds():
+    def seeds_of(argv):
+        specs = compare_norms.run_specs(args := compare_norms.parse_args(argv), compare_norms.study_arms(args))
+        found = {}
+        for spec in specs:
+            found.setdefault(spec.arm, []).append(spec.seed)
+        return found
+
+    default = seeds_of([])
+    assert default["pre"] == default["lns"] == [1, 2, 3]
+    assert default["pre_bf16"] == default["lns_bf16"] == [1, 2]
+    assert default["post"] == default["post_pre"] == default["deepnorm"] == [1]
+    assert "peri" not in default
+    rivals = seeds_of(["--budget", "rivals"])
+    assert rivals["post"] == rivals["peri"] == rivals["pre_embed_ref"] == [1, 2, 3]
+    assert all(seeds == [4] for seeds in seeds_of(["--seeds", "4"]).values())
 
 
 def test_depth_sweep_bad_input_is_one_line(capsys):

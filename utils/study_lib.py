@@ -118,11 +118,11 @@ def collect_records(args, specs: list[RunSpec]) -> tuple[dict[str, dict], list[R
     return run_jobs(specs, settings, args.runs_dir, records_dir, args.jobs, args.fresh, deadline)
 
 
-def write_report_files(out: Path, text: str, summary: dict) -> Path:
-    """report.md and summary.json in the report folder; returns the report's path."""
-    report = out / "report.md"
+def write_report_files(out: Path, text: str, summary: dict, suffix: str = "") -> Path:
+    """report<suffix>.md and summary<suffix>.json in the report folder; returns the report's path."""
+    report = out / f"report{suffix}.md"
     report.write_text(text)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    (out / f"summary{suffix}.json").write_text(json.dumps(summary, indent=1, default=str))
     return report
 
 
@@ -197,6 +197,7 @@ def run_job(spec: RunSpec, settings: AnalysisSettings, runs_dir: Path, records_d
     results = json.loads(results_file.read_text())
     steps = [s for s in spec.analyse_steps if (run_dir / f"model_{s}").is_dir()]
     analyses_file = run_dir / "study_analyses.json"
+    analysis_started = time.perf_counter()
     if steps:
         cmd = [sys.executable, str(Path(__file__).resolve()), "analyse", "--run_dir", str(run_dir),
                "--steps", *map(str, steps), "--settings", json.dumps(dataclasses.asdict(settings)),
@@ -211,6 +212,7 @@ def run_job(spec: RunSpec, settings: AnalysisSettings, runs_dir: Path, records_d
                   last_step=int(results["step"]), final_eval_loss=results.get("final_eval_loss"),
                   diverged_reason=results.get("diverged_reason"), tokens_seen=results.get("tokens_seen"),
                   train_seconds=float((run_dir / "study_seconds.txt").read_text()),
+                  analysis_seconds=round(time.perf_counter() - analysis_started, 1),
                   **curves_from_metrics(run_dir / "metrics.jsonl"), analyses=analyses)
     _write_json_atomic(record_path, record)
     return dict(record, reused="training" if reuse_training else "no")
