@@ -133,7 +133,7 @@ def run_specs(args, arms: list[Arm]) -> list[RunSpec]:
         for seed in seeds:  # seed-major, so that the pairs of a seed finish together
             for arm in (a for a in arms if a.group == group):
                 extra = ("--post_num", str(max(1, num_layers // 4))) if arm.name == "post_pre" else ()
-                steps = dynamics if group in ("core", "precision") else (s["steps"],)
+                steps = dynamics if group == "core" else (s["steps"],)  # the dynamics: float32 Pre-LN and LNS
                 specs.append(RunSpec(arm.name, seed, (*base, *arm.flags, *extra, "--dtype", arm.dtype), steps))
     return specs
 
