@@ -197,6 +197,25 @@ def loss_vs_pre_rows(records, arms: list[Arm]) -> tuple[list[str], list[verdicts
     return rows, found
 
 
+def precision_section(records, fp32: list[verdicts.Verdict], bf16: list[verdicts.Verdict]) -> str:
+    """Each claim's effect in both precisions side by side, then what pure bf16 does to each norm type's loss."""
+    rows = [f"| {a.claim} | {effect_text(a)} | {effect_text(b)} | "
+            f"{'same' if a.effect is not None and b.effect is not None and (a.effect > 0) == (b.effect > 0) else 'differs'} |"
+            for a, b in zip(fp32, bf16)]
+    same = sum(a.status == b.status for a, b in zip(fp32, bf16))
+    cost = [verdicts.judge_seeds(f"Pure bf16 raises {label}'s eval loss over float32", +1,
+                                 values(records, arm, "eval_loss"), values(records, f"{arm}_bf16", "eval_loss"),
+                                 ("float32", "pure bf16")) for arm, label in (("pre", "Pre-LN"), ("lns", "LNS"))]
+    return ("### Does precision change the conclusions?\n\n"
+            f"{same} of {len(fp32)} verdicts have the same status in both precisions. A status can differ only "
+            "because the pure-bf16 arms have fewer seeds (a wider interval), so compare the effects, whose sign "
+            "is in the last column:\n\n"
+            "| claim (LNS − Pre-LN) | float32 effect [95% CI], seeds agreeing | pure bf16 effect [95% CI], seeds "
+            "agreeing | sign |\n|---|---|---|---|\n" + "\n".join(rows)
+            + "\n\nWhat pure bf16 costs each norm type (pure bf16 minus float32, paired by seed):\n\n"
+            + "\n".join(f"- {v.line()}" for v in cost))
+
+
 # ------------------------------------------------------------------------------------------------------ report
 def budget_evidence(records) -> list[str]:
     """Is the budget past the corpus's overfitting point? The step of each run's lowest eval loss says."""
@@ -241,11 +260,7 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
                         f"analysed checkpoint is {max(devs):.3g} over {len(devs)} runs "
                         f"({'every gain stayed exactly 1.0' if max(devs) == 0 else 'the gains moved'}).")
     if len(all_verdicts) == 2:
-        (name_a, va), (name_b, vb) = all_verdicts.items()
-        agree = [f"{a.claim}: {a.status} / {b.status}" for a, b in zip(va, vb)]
-        same = sum(a.status == b.status for a, b in zip(va, vb))
-        sections.append(f"### Does precision change the conclusions?\n\n{same} of {len(va)} verdicts are the same "
-                        f"under {name_a} and {name_b}:\n\n" + "\n".join(f"- {line}" for line in agree))
+        sections.append(precision_section(records, *all_verdicts.values()))
     table_arms = [a for a in arms if a.name in present and a.group in ("core", "norms", "rivals")]
     table = ""
     if "pre" in present:
