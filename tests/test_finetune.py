@@ -57,7 +57,7 @@ def hf_llama_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def our_lns_dir(tmp_path_factory):
     torch.manual_seed(0)
-    model = ours.LlamaForCausalLM(ours.build_config("configs/llama_tiny.json", norm_type="lns",
+    model = ours.LlamaForCausalLM(ours.build_config("configs/llama_tiny.json", norm_type="lns", train_max_length=128,
                                                     **_tiny_config_overrides()))
     path = tmp_path_factory.mktemp("our_lns")
     model.save_pretrained(path)
@@ -148,7 +148,7 @@ def test_lora_with_lns_on_hf_llama(tmp_path, hf_llama_dir, instruction_file, tok
     assert (out / "adapter" / "adapter_model.safetensors").read_bytes() == adapter_bytes
 
 
-def test_full_finetune_of_our_checkpoint(tmp_path, our_lns_dir, instruction_file, tokenizer):
+def test_full_finetune_of_our_checkpoint(tmp_path, our_lns_dir, instruction_file, tokenizer, capsys):
     batch = _fixed_batch(tokenizer)
     loss_before = _response_loss(ours.LlamaForCausalLM.from_pretrained(our_lns_dir), batch)
     out = tmp_path / "full"
@@ -157,6 +157,8 @@ def test_full_finetune_of_our_checkpoint(tmp_path, our_lns_dir, instruction_file
         "--lr", "3e-3", "--max_steps", "10", "--batch_size", "4", "--micro_batch_size", "4", "--warmup_steps", "0",
         "--eval_tasks", "none", "--output_dir", str(out),
     ])
+    # --cutoff_len defaults to 256, past the 128 tokens this checkpoint records as its pretraining length
+    assert "--cutoff_len 256 exceeds the context the model was pretrained at (128)" in capsys.readouterr().out
     loss_after = _response_loss(summary["model"], batch)
     assert loss_after < loss_before - 0.5, (loss_before, loss_after)
     reloaded = ours.LlamaForCausalLM.from_pretrained(out / "model").eval()

@@ -199,6 +199,10 @@ def prepare_model(args, parser, device):
             parser.error(f"--apply_lns: {err}")
     if args.eval_only:
         return model.eval(), tokenizer
+    trained = getattr(model.config, "train_max_length", None)
+    if trained is not None and args.cutoff_len > trained:
+        print(f"[finetune] warning: --cutoff_len {args.cutoff_len} exceeds the context the model was pretrained at "
+              f"({trained}); longer examples train positions it never saw (evaluation stays at {trained})")
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.finetune == "lora":
