@@ -25,6 +25,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from peft_pretraining import lm_eval_tasks
+from peft_pretraining.cli import OneLineErrorParser
 from utils import model_io
 
 # Config attributes holding one entry per layer; the removed layer's entry is dropped.
@@ -239,7 +240,7 @@ def plot_sweep(rows: list[dict], path: Path, title: str) -> Path:
 
 # ----------------------------------------------------------------------------- command line
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model_io.add_model_arguments(parser, default_model=None)
     parser.add_argument("--layer_index", type=int, default=None, help="0-based index of the layer to remove")
     parser.add_argument("--save_path", default=None, help="new (or empty) folder for the pruned model")

@@ -13,6 +13,7 @@ import re
 import torch
 
 from peft_pretraining import run_folder
+from peft_pretraining.cli import OneLineErrorParser
 from peft_pretraining.distributed import DEFAULT_TIMEOUT_MINUTES
 from peft_pretraining.modeling_llama import (
     DEEPNORM_INITS,
@@ -52,13 +53,6 @@ def parse_token_count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a number with an optional K/M/B suffix, got {text!r}")
     scale = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9}[match.group(2).lower()]
     return int(float(match.group(1)) * scale)
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse, but an error is one line (no usage block): `torchrun_main.py: error: --flag ...`, exit code 2."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -37,6 +37,8 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
+from peft_pretraining.cli import OneLineErrorParser
+
 logger = logging.getLogger(__name__)
 
 EMBEDDED = "embedded"  # the --dataset value meaning the shipped corpus
@@ -776,7 +778,7 @@ def _trim_targets(batch: dict, surplus: int) -> None:
 # CLI
 # ----------------------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m peft_pretraining.dataloader", description=__doc__.split("\n")[0])
+    parser = OneLineErrorParser(prog="python -m peft_pretraining.dataloader", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     build = commands.add_parser("build-embedded", help="rebuild data/embedded/* and data/tokenizer/ from the novels")
     build.add_argument("--source", default=str(DEFAULT_AUSTEN_SOURCE), help="folder with the six *.txt.gz novels")

@@ -19,6 +19,7 @@ from typing import Callable, Iterable
 
 import yaml
 
+from peft_pretraining.cli import OneLineErrorParser
 from peft_pretraining.dataloader import EMBEDDED_DIR
 
 HELDOUT_PERPLEXITY_TASK = "heldout_novel_ppl"
@@ -172,7 +173,7 @@ def task_manager(include_paths: Iterable[str | Path] = (), include_defaults: boo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", required=True, help="folder to pass to lm_eval --include_path")
     parser.add_argument("--tasks", default=HELDOUT_PERPLEXITY_TASK,
                         help=f"comma-separated local tasks; available: {', '.join(LOCAL_TASK_BUILDERS)}")

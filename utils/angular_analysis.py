@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
 from utils import model_io
 
 # Bytes of float64 cosine work per chunk of tokens; bounds memory whatever the model size.
@@ -145,7 +146,7 @@ def plot_heatmap(matrix: np.ndarray, output_dir: Path, title: str, row_normalize
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model_io.add_model_arguments(parser)
     model_io.add_text_arguments(parser, default_num_tokens=256 * 1024)
     model_io.add_threads_argument(parser)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
 from utils import model_io
 from utils.angular_analysis import compute_angular_distances
 
@@ -48,7 +49,7 @@ def benchmark(dtype_name: str, args, tokenizer, device) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num_tokens", type=int, default=65536)
     parser.add_argument("--max_seq_len", type=int, default=256)
     parser.add_argument("--batch_size", type=int, default=8)

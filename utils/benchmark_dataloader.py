@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from peft_pretraining import dataloader as data  # noqa: E402
+from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
 
 
 def measure_loader(tokenizer, *, packing: bool, max_length: int, batch_size: int, batches: int,
@@ -201,7 +202,7 @@ def run_streaming(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = OneLineErrorParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="configs/llama_130m.json")
     parser.add_argument("--max_length", type=int, default=256)
     parser.add_argument("--batch_size", type=int, default=64, help="loader micro-batch")

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from peft_pretraining import training_utils  # noqa: E402
+from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
 from peft_pretraining.modeling_llama import NORM_TYPES, LlamaForCausalLM, build_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -91,7 +92,7 @@ def measure(config_path, *, dtype: str, compiled: bool, batch: int, seq_len: int
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+",
                         default=[str(REPO / "configs/llama_130m.json"), str(REPO / "configs/llama_1b.json")])
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "mixed"], choices=["bfloat16", "mixed"])

@@ -41,6 +41,7 @@ from transformers import LlamaConfig  # noqa: E402
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM  # noqa: E402
 
 from peft_pretraining import modeling_llama  # noqa: E402
+from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
 from peft_pretraining.training_utils import build_optimizer  # noqa: E402
 
 STUDY_CONFIG = "configs/llama_tiny_deep.json"
@@ -258,7 +259,7 @@ def write_csv(path: Path, rows):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", nargs="+", default=["model", "trainer"], choices=["model", "trainer"])
     parser.add_argument("--before", default="main", help="git revision whose model and trainer are 'before'")
     parser.add_argument("--shapes", nargs="+", default=[f"{STUDY_CONFIG}:16:128", "configs/llama_130m.json:1:256"],

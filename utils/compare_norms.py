@@ -25,6 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
 from utils import study_lib, verdicts  # noqa: E402
 from utils.study_lib import RunSpec  # noqa: E402
 
@@ -92,7 +93,7 @@ BUDGETS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     study_lib.add_study_arguments(parser, BUDGETS)
     parser.add_argument("--arms", nargs="+", default=None, help=f"only these arms (of {', '.join(ARM_BY_NAME)})")
     return parser

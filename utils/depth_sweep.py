@@ -24,6 +24,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
 from utils import study_lib, verdicts  # noqa: E402
 from utils.study_lib import RunSpec  # noqa: E402
 
@@ -52,7 +53,7 @@ PREDICTIONS = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     study_lib.add_study_arguments(parser, BUDGETS)
     parser.add_argument("--depths", nargs="+", type=int, default=None, help="override the budget's depths")
     return parser

@@ -16,11 +16,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from transformers import AutoTokenizer  # noqa: E402
 
+from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
 from peft_pretraining.modeling_llama import LlamaForCausalLM, export_to_hf_llama  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="an HF directory saved by this repository")
     parser.add_argument("--out", required=True, help="where to write the stock-HF directory")
     return parser

@@ -32,6 +32,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
+from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
 from peft_pretraining.layernorm_scaling import (  # noqa: E402
     apply_layernorm_scaling,
     fold_layernorm_scaling,
@@ -72,7 +73,7 @@ def hub_offline() -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model = parser.add_argument_group("model")
     model.add_argument("--model_path", required=True, help="our checkpoint folder, an HF folder or a hub id")
     model.add_argument("--tokenizer", default=None, help="default: the model's own, else data/tokenizer")

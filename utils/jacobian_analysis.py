@@ -55,6 +55,7 @@ from torch import nn
 from torch.func import functional_call
 from tqdm.auto import tqdm
 
+from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
 from utils import model_io
 
 EXACT_MAX_HIDDEN = 512  # above this hidden size the default is the probe estimate
@@ -402,7 +403,7 @@ def plot_heatmaps(heatmaps: dict[int, np.ndarray], path: Path, title: str) -> Pa
 
 # ----------------------------------------------------------------------------- command line
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model_io.add_model_arguments(parser)
     parser.add_argument("--model_paths", nargs="+", default=None,
                         help="several hub ids or local folders, one curve each in jacobian.png "

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from peft_pretraining import modeling_llama  # noqa: E402
+from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
 from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -162,7 +163,7 @@ def measure_step_peak_rss(config, dtype: str, batch: int, seq_len: int, activati
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(REPO / "configs/llama_1b.json"))
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--seq_len", type=int, default=256)

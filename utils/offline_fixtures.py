@@ -26,6 +26,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
 from peft_pretraining.dataloader import _write_jsonl_gz, embedded_split_path  # noqa: E402
 
 C4_CONFIG = "en"
@@ -102,7 +103,7 @@ def write_t5_style_tokenizer(out_dir, vocab_size: int = T5_VOCAB_SIZE) -> pathli
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=("c4", "t5"))
     parser.add_argument("out_dir")
     return parser

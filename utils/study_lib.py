@@ -338,7 +338,7 @@ def analyse_checkpoint(checkpoint: Path, settings: AnalysisSettings, out_dir: Pa
 
 
 def _analyse_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="study_lib.py analyse")
+    parser = argparse.ArgumentParser(prog="study_lib.py analyse")  # internal: called by run_job
     parser.add_argument("--run_dir", required=True)
     parser.add_argument("--steps", type=int, nargs="+", required=True)
     parser.add_argument("--settings", required=True)

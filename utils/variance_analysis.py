@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
 from utils import model_io
 
 
@@ -105,7 +106,7 @@ def plot_results(results: list[dict], path: Path, text_name: str) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_paths", nargs="+", required=True, help="hub ids or local folders, one curve each")
     parser.add_argument("--labels", nargs="+", default=None, help="legend labels (default: folder names)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer for every model (default: each model's own)")
