@@ -198,6 +198,13 @@ def loss_vs_pre_rows(records, arms: list[Arm]) -> tuple[list[str], list[verdicts
     return rows, found
 
 
+def missing_names(skipped: list[RunSpec], shown: int = 8) -> str:
+    names = [spec.name for spec in skipped]
+    if not names:
+        return "see the runs list"
+    return ", ".join(names) if len(names) <= shown else f"{', '.join(names[:shown])} and {len(names) - shown} more"
+
+
 def precision_section(records, fp32: list[verdicts.Verdict], bf16: list[verdicts.Verdict]) -> str:
     """Each claim's effect in both precisions side by side, then what pure bf16 does to each norm type's loss."""
     rows = [f"| {a.claim} | {effect_text(a)} | {effect_text(b)} | "
@@ -296,7 +303,7 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
     reused = sum(r.get("reused") == "record" for r in records.values())
     status = (f"**Complete**: all {expected} runs." if len(records) == expected else
               f"**Partial**: {len(records)} of {expected} runs have records; the missing ones "
-              f"({', '.join(spec.name for spec in skipped) or 'see the runs list'}) run on the next invocation.")
+              f"({missing_names(skipped)}) run on the next invocation.")
     rewritten = " (this text rewritten from its saved records with `--report_only`)" if args.report_only else ""
     rel = lambda p: Path(p).resolve().relative_to(out.resolve())  # noqa: E731
     figure_lines = "\n\n".join(f"![{name}]({rel(path)})" for name, path in figures.items())
