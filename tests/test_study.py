@@ -13,6 +13,12 @@ def test_evenly_spaced_steps_end_at_the_last_step_and_share_a_save_interval():
     steps = study_lib.evenly_spaced_steps(1200, 5)
     assert steps == (240, 480, 720, 960, 1200)
     assert study_lib.save_every_for(steps) == 240
+    assert study_lib.evenly_spaced_steps(300, 5) == (60, 120, 180, 240, 300)  # the CPU study's budget
+    # 400 / 3 is not whole: the interval must divide 400, or the gcd (the save interval) would be 1 step
+    assert study_lib.evenly_spaced_steps(400, 3) == (200, 300, 400)
+    assert study_lib.save_every_for(study_lib.evenly_spaced_steps(400, 3)) == 100
+    with pytest.raises(ValueError, match="no divisor"):
+        study_lib.evenly_spaced_steps(401, 3)
     assert study_lib.evenly_spaced_steps(7, 2)[-1] == 7
     assert all(s % study_lib.save_every_for(study_lib.evenly_spaced_steps(7, 2)) == 0
                for s in study_lib.evenly_spaced_steps(7, 2))

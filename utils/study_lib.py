@@ -64,10 +64,15 @@ class RunSpec:
 
 
 def evenly_spaced_steps(total_steps: int, points: int) -> tuple[int, ...]:
-    """`points` checkpoints at equal intervals, the last one at total_steps (save_every must divide them)."""
-    interval = max(1, total_steps // points)
-    steps = [interval * k for k in range(1, points + 1) if interval * k < total_steps] + [total_steps]
-    return tuple(sorted(set(steps)))
+    """`points` checkpoints at equal intervals, the last one at total_steps.
+
+    The interval divides total_steps, so that saving every `interval` steps (save_every_for) writes few checkpoints:
+    400 steps at 3 points gives 200, 300, 400 (interval 100), not 133, 266, 400 (which would save every step)."""
+    interval = max(d for d in range(1, max(1, total_steps // points) + 1) if total_steps % d == 0)
+    if total_steps // interval > 4 * points:
+        raise ValueError(f"{total_steps} steps have no divisor near {total_steps // points}: "
+                         f"{total_steps // interval} checkpoints would be saved for {points} analysis points")
+    return tuple(total_steps - interval * k for k in reversed(range(points)) if total_steps - interval * k > 0)
 
 
 def save_every_for(steps: tuple[int, ...]) -> int:
