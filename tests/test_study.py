@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from utils import compare_norms, depth_sweep, study_lib
+from utils import compare_norms, depth_sweep, study_lib, verdicts
 
 
 def test_evenly_spaced_steps_end_at_the_last_step_and_share_a_save_interval():
@@ -90,6 +90,14 @@ def test_compare_norms_budgets_give_each_group_its_seeds():
     rivals = seeds_of(["--budget", "rivals"])
     assert rivals["post"] == rivals["peri"] == rivals["pre_embed_ref"] == [1, 2, 3]
     assert all(seeds == [4] for seeds in seeds_of(["--seeds", "4"]).values())
+
+
+def test_gap_plot_of_a_partial_sweep_skips_depths_without_an_interval(tmp_path):
+    one_seed = verdicts.judge_seeds("gap", -1, {1: 5.0}, {1: 4.9})  # one pair: no effect, no interval
+    three = verdicts.judge_seeds("gap", -1, {1: 5.0, 2: 5.1, 3: 5.2}, {1: 4.9, 2: 5.0, 3: 5.05})
+    assert one_seed.effect is None and three.effect is not None
+    path = depth_sweep.plot_gap([one_seed, three], (6, 12), tmp_path / "gap.png")
+    assert path.stat().st_size > 1000
 
 
 def test_depth_sweep_bad_input_is_one_line(capsys):

@@ -184,7 +184,7 @@ def plot_against_depth(args, records, path: Path) -> Path:
 def plot_gap(gaps: list[verdicts.Verdict], depths, path: Path) -> Path:
     plt = study_lib.pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    points = [(d, v) for d, v in zip(depths, gaps) if v.n_pairs]
+    points = [(d, v) for d, v in zip(depths, gaps) if v.effect is not None]  # a depth with < 2 pairs has no interval
     if points:
         xs = [d for d, _ in points]
         ax.errorbar(xs, [v.effect for _, v in points],
