@@ -84,12 +84,58 @@ def test_compare_norms_budgets_give_each_group_its_seeds():
 
     default = seeds_of([])
     assert default["pre"] == default["lns"] == [1, 2, 3]
-    assert default["pre_bf16"] == default["lns_bf16"] == [1, 2]
+    assert default["pre_bf16"] == default["lns_bf16"] == [1]
     assert default["post"] == default["post_pre"] == default["deepnorm"] == [1]
     assert "peri" not in default
     rivals = seeds_of(["--budget", "rivals"])
     assert rivals["post"] == rivals["peri"] == rivals["pre_embed_ref"] == [1, 2, 3]
+    assert rivals["pre_bf16"] == rivals["lns_bf16"] == [1, 2]
     assert all(seeds == [4] for seeds in seeds_of(["--seeds", "4"]).values())
+
+
+def test_projected_wall_time_replays_the_two_lane_schedule():
+    specs = [study_lib.RunSpec(arm, 1, (), (4,)) for arm in ("a", "b", "c", "d")]
+    minutes = {"a": 30, "b": 10, "c": 10, "d": 20}
+    records = {f"{arm}-seed1": dict(train_seconds=60 * m - 60, analysis_seconds=60) for arm, m in minutes.items()}
+    # lane 1: a (0-30); lane 2: b (0-10), c (10-20), d (20-40): 40 minutes, not the 35 of an even split
+    assert study_lib.projected_wall_minutes(specs, records, 2) == pytest.approx(40)
+    assert study_lib.projected_wall_minutes(specs, records, 1) == pytest.approx(70)
+    untimed = dict(records, **{"d-seed1": dict(train_seconds=100, analysis_seconds=None)})
+    assert study_lib.projected_wall_minutes(specs, untimed, 2) is None
+    assert "projected once" in study_lib.wall_time_sentence(specs, untimed, 2)
+
+
+def test_precision_section_shows_a_one_seed_bf16_effect_as_a_point_estimate():
+    def record(arm, seed, loss, growth):
+        analysis = dict(crafted_analysis(), variance=[1.0] * 8 + [growth])  # growth = last / first block
+        return dict(arm=arm, seed=seed, status="finished", final_eval_loss=loss, eval_curve=[[4, loss]],
+                    analyses={"4": analysis})
+
+    records = {}
+    for seed in (1, 2, 3):
+        records[f"pre-seed{seed}"] = record("pre", seed, 5.0 + 0.01 * seed, 4.0)
+        records[f"lns-seed{seed}"] = record("lns", seed, 4.8 + 0.02 * seed, 2.0)
+    records["pre_bf16-seed1"] = record("pre_bf16", 1, 5.3, 4.0)
+    records["lns_bf16-seed1"] = record("lns_bf16", 1, 5.4, 2.0)  # bf16 reverses the loss gap at this seed
+    differences = compare_norms.one_seed_differences(records, "pre_bf16", "lns_bf16")
+    assert differences[0] == pytest.approx(0.1)
+    assert differences[1] == pytest.approx(math.log(2.0 / 4.0))
+    section = compare_norms.precision_section(records, compare_norms.pair_verdicts(records, "pre", "lns"),
+                                              compare_norms.pair_verdicts(records, "pre_bf16", "lns_bf16"))
+    loss_row = next(line for line in section.splitlines() if line.startswith("| LNS reaches a lower eval loss"))
+    assert "+0.1000 (one seed, no interval)" in loss_row and loss_row.endswith("| differs |")
+    variance_row = next(line for line in section.splitlines() if line.startswith("| Pre-LN's residual variance"))
+    assert variance_row.endswith("| same |")
+    assert "seed 1: +0.2900 (one seed, no interval)" in section  # Pre-LN's bf16 cost: 5.30 - 5.01
+
+
+def test_depth_sweep_budgets_share_records_and_keep_their_own_files():
+    default, deep = depth_sweep.parse_args([]), depth_sweep.parse_args(["--budget", "deep"])
+    assert len(default.settings["depths"]) >= 4 and 96 not in default.settings["depths"]
+    assert deep.settings["depths"][-1] == 96 and deep.out == default.out
+    assert deep.settings["report_suffix"] and not default.settings.get("report_suffix")
+    shared = {spec.name: spec for spec in depth_sweep.run_specs(deep)}
+    assert all(shared[spec.name] == spec for spec in depth_sweep.run_specs(default))  # same flags: records reused
 
 
 def test_gap_plot_of_a_partial_sweep_skips_depths_without_an_interval(tmp_path):

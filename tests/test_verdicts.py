@@ -77,7 +77,7 @@ def test_line_shows_effect_interval_and_agreement():
     assert line.startswith("LNS lowers the loss: REPRODUCED")
     for number in (verdict.effect, verdict.low, verdict.high):
         assert f"{number:+.4g}" in line
-    assert "95% CI" in line and "3/3 seeds in the paper's direction" in line
+    assert "95% CI" in line and "3/3 seeds in the claimed direction" in line
 
 
 def test_log_ratio_claim():

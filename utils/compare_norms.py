@@ -77,12 +77,13 @@ SEED_KEYS = {"core": "seeds", "precision": "precision_seeds", "norms": "norms_se
 BUDGETS = {
     "default": dict(model_config="configs/llama_tiny_deep.json", steps=300, warmup=30, batch_size=16,
                     max_length=128, eval_tokens=65_536, seeds=(1, 2, 3), dynamics_points=5,
-                    groups=("core", "precision", "norms"), precision_seeds=(1, 2), norms_seeds=(1,), stream_tokens=8_192,
+                    groups=("core", "precision", "norms"), precision_seeds=(1,), norms_seeds=(1,), stream_tokens=8_192,
                     jacobian_tokens=32, jacobian_probes=8, removal_documents=16, out="docs/study",
                     runs_dir="runs/study"),
-    # the default budget plus the rivals, and Post-LN, Mix-LN and DeepNorm at every seed
-    # (same records folder as the default; its own report_rivals.md beside the default's report.md)
-    "rivals": dict(groups=("core", "precision", "norms", "rivals"), norms_seeds=(1, 2, 3), report_suffix="_rivals"),
+    # the default budget plus the rivals, a second pure-bf16 seed (an interval for the precision verdicts), and
+    # Post-LN, Mix-LN and DeepNorm at every seed (same records folder as the default; its own report_rivals.md)
+    "rivals": dict(groups=("core", "precision", "norms", "rivals"), precision_seeds=(1, 2), norms_seeds=(1, 2, 3),
+                   report_suffix="_rivals"),
     "long": dict(steps=1500, warmup=75, groups=("core",), out="docs/study_long", runs_dir="runs/study_long"),
     "quick": dict(model_config="configs/llama_tiny.json", steps=6, warmup=1, batch_size=4, max_length=64,
                   eval_tokens=1_024, seeds=(1, 2), precision_seeds=(1, 2), norms_seeds=(1, 2), dynamics_points=2,
@@ -198,24 +199,53 @@ def loss_vs_pre_rows(records, arms: list[Arm]) -> tuple[list[str], list[verdicts
     return rows, found
 
 
+def one_seed_differences(records, pre: str, lns: str) -> list[float | None]:
+    """Per claim of pair_verdicts, LNS minus Pre-LN (a log ratio where the claim uses one) when exactly one seed
+    pairs the two arms: a point estimate with no interval, so that a one-seed arm still shows its sign."""
+    measures = [(measure, log_ratio) for _, measure, _, log_ratio in CORE_CLAIMS] + [("removal_deep", False)]
+    found = []
+    for measure, log_ratio in measures:
+        a, b = values(records, pre, measure), values(records, lns, measure)
+        pairs = [(a[s], b[s]) for s in a if s in b and a[s] is not None and b[s] is not None]
+        if len(pairs) != 1 or (log_ratio and min(pairs[0]) <= 0):
+            found.append(None)
+            continue
+        x, y = pairs[0]
+        found.append(math.log(y / x) if log_ratio else y - x)
+    return found
+
+
 def precision_section(records, fp32: list[verdicts.Verdict], bf16: list[verdicts.Verdict]) -> str:
     """Each claim's effect in both precisions side by side, then what pure bf16 does to each norm type's loss."""
-    rows = [f"| {a.claim} | {effect_text(a)} | {effect_text(b)} | "
-            f"{'same' if a.effect is not None and b.effect is not None and (a.effect > 0) == (b.effect > 0) else 'differs'} |"
-            for a, b in zip(fp32, bf16)]
-    same = sum(a.status == b.status for a, b in zip(fp32, bf16))
+    single = one_seed_differences(records, "pre_bf16", "lns_bf16")
+    rows = []
+    for a, b, point in zip(fp32, bf16, single):
+        b_effect = b.effect if b.effect is not None else point
+        b_text = effect_text(b) if b.effect is not None or point is None else f"{point:+.4f} (one seed, no interval)"
+        same = a.effect is not None and b_effect is not None and (a.effect > 0) == (b_effect > 0)
+        rows.append(f"| {a.claim} | {effect_text(a)} | {b_text} | {'same' if same else 'differs'} |")
     cost = [verdicts.judge_seeds(f"Pure bf16 raises {label}'s eval loss over float32", +1,
                                  values(records, arm, "eval_loss"), values(records, f"{arm}_bf16", "eval_loss"),
                                  ("float32", "pure bf16")) for arm, label in (("pre", "Pre-LN"), ("lns", "LNS"))]
+    cost_lines = []
+    for v, arm in zip(cost, ("pre", "lns")):
+        if v.effect is None:
+            a, b = values(records, arm, "eval_loss"), values(records, f"{arm}_bf16", "eval_loss")
+            pairs = {s: b[s] - a[s] for s in b if a.get(s) is not None and b[s] is not None}
+            if pairs:
+                cost_lines.append(f"- {v.claim}: " + ", ".join(f"seed {s}: {d:+.4f}" for s, d in pairs.items())
+                                  + " (one seed, no interval)")
+                continue
+        cost_lines.append(f"- {v.line()}")
     return ("### Does precision change the conclusions?\n\n"
-            f"{same} of {len(fp32)} verdicts have the same status in both precisions. A status can differ only "
-            "because the pure-bf16 arms have fewer seeds (a wider interval), so compare the effects, whose sign "
-            "is in the last column:\n\n"
+            "The table puts each claim's effect in both precisions side by side; the last column says whether their "
+            "signs agree. With one pure-bf16 seed the bf16 effect is a point estimate; `--budget rivals` adds a "
+            "second seed and gives the intervals (report_rivals.md).\n\n"
             "| claim (LNS − Pre-LN) | float32 effect [95% CI], seeds agreeing | pure bf16 effect [95% CI], seeds "
             "agreeing | sign |\n|---|---|---|---|\n" + "\n".join(rows)
             + "\n\nWhat pure bf16 costs each norm type (pure bf16 minus float32, paired by seed; here "
             "\"reproduced\" means the stated direction with an interval that excludes zero):\n\n"
-            + "\n".join(f"- {v.line()}" for v in cost))
+            + "\n".join(cost_lines))
 
 
 # ------------------------------------------------------------------------------------------------------ report
@@ -292,7 +322,8 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
         by_group[group] = by_group.get(group, 0.0) + (r["train_seconds"] + (r.get("analysis_seconds") or 0)) / 60
     group_minutes = ", ".join(f"{group} {minutes:.0f}" for group, minutes in by_group.items())
     config = json.loads((REPO / s["model_config"]).read_text())
-    expected = len(run_specs(args, arms))
+    specs = run_specs(args, arms)
+    expected = len(specs)
     reused = sum(r.get("reused") == "record" for r in records.values())
     status = study_lib.run_status(records, expected, skipped)
     rel = lambda p: Path(p).resolve().relative_to(out.resolve())  # noqa: E731
@@ -302,9 +333,8 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
 {study_lib.generated_by('utils/compare_norms.py', argv)}; this invocation took
 {(time.time() - started) / 60:.1f} minutes. {status} {reused} records were reused from earlier invocations; the
 {len(records)} runs trained for {train_minutes:.0f} minutes and were analysed for {analysis_minutes:.0f} minutes
-({len(timed)} runs timed), one thread each, {args.jobs} at a time: from scratch, these runs take about
-{run_minutes / args.jobs:.0f} minutes of wall time ({run_minutes:.0f} run-minutes over {args.jobs} lanes; by group:
-{group_minutes}).
+({len(timed)} runs timed), one thread each, {args.jobs} at a time: {run_minutes:.0f} run-minutes, by group
+{group_minutes}. {study_lib.wall_time_sentence(specs, records, args.jobs)}
 
 ## Verdicts
 

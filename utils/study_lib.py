@@ -141,6 +141,38 @@ def run_status(records: dict, expected: int, skipped: list[RunSpec], shown: int 
             "next invocation.")
 
 
+def run_seconds(record: dict) -> float | None:
+    """Training plus analyses, as measured; None for a record made before analyses were timed."""
+    if record.get("analysis_seconds") is None:
+        return None
+    return record["train_seconds"] + record["analysis_seconds"]
+
+
+def projected_wall_minutes(specs: list[RunSpec], records: dict, lanes: int) -> float | None:
+    """Wall time of running `specs` from scratch on `lanes` lanes, each run taking its record's measured time.
+
+    It replays run_jobs's schedule: runs start in spec order, each on the first lane to come free. None when a spec
+    has no timed record, since the projection would then be a guess.
+    """
+    free_at = [0.0] * lanes
+    for spec in specs:
+        seconds = run_seconds(records[spec.name]) if spec.name in records else None
+        if seconds is None:
+            return None
+        lane = free_at.index(min(free_at))
+        free_at[lane] += seconds
+    return max(free_at) / 60
+
+
+def wall_time_sentence(specs: list[RunSpec], records: dict, lanes: int) -> str:
+    """What the report says about how long the budget takes from scratch."""
+    projected = projected_wall_minutes(specs, records, lanes)
+    if projected is None:
+        return "The budget's wall time from scratch is projected once every run has a timed record."
+    return (f"From scratch, at these records' measured times and in the script's order on {lanes} lanes, "
+            f"the {len(specs)} runs take about **{projected:.0f} minutes** of wall time.")
+
+
 def write_report_files(out: Path, text: str, summary: dict, suffix: str = "") -> Path:
     """report<suffix>.md and summary<suffix>.json in the report folder; returns the report's path."""
     report = out / f"report{suffix}.md"

@@ -174,7 +174,7 @@ def _check_direction(expected_direction: int) -> None:
 @dataclass
 class Verdict:
     """One claim, judged. ``effect``, ``low`` and ``high`` are on the scale named by ``scale`` ("difference": b - a;
-    "log ratio": log(b / a)); ``n_agree`` counts the pairs whose own sign matches the paper's direction."""
+    "log ratio": log(b / a)); ``n_agree`` counts the pairs whose own sign matches the claim's direction."""
     claim: str
     expected_direction: int
     effect: float | None
@@ -189,7 +189,7 @@ class Verdict:
     dropped: dict = field(default_factory=dict)
 
     def line(self) -> str:
-        """'claim: STATUS — effect +0.123 [95% CI +0.050, +0.200], 3/3 seeds in the paper's direction' (+ reason)."""
+        """'claim: STATUS — effect +0.123 [95% CI +0.050, +0.200], 3/3 seeds in the claimed direction' (+ reason)."""
         if self.effect is None:
             return f"{self.claim}: {self.status.upper()} — {self.reason}"
         name = "log ratio" if self.scale == "log ratio" else "effect"
@@ -197,7 +197,7 @@ class Verdict:
                 f"[95% CI {self.low:+.4g}, {self.high:+.4g}]")
         if self.scale == "log ratio":
             text += f" (ratio x{math.exp(self.effect):.3g} [{math.exp(self.low):.3g}, {math.exp(self.high):.3g}])"
-        text += f", {self.n_agree}/{self.n_pairs} {self.unit} in the paper's direction"
+        text += f", {self.n_agree}/{self.n_pairs} {self.unit} in the claimed direction"
         if self.reason:
             text += f"; {self.reason}"
         return text
