@@ -239,8 +239,8 @@ def write_report(args, records, skipped, started, argv) -> Path:
               + "---|" * (len(study_lib.MEASURES) + 4))
     tokens = s["steps"] * s["batch_size"] * s["max_length"]
     train_tokens = study_lib.embedded_train_tokens()
-    expected = len(run_specs(args))
-    status = study_lib.run_status(records, expected, skipped)
+    specs = run_specs(args)
+    status = study_lib.run_status(records, len(specs), skipped)
     speeds = {d: [r["tokens_per_s_median"] for r in records.values()
                   if r["arm"].startswith(f"L{d}-") and r.get("tokens_per_s_median")] for d in depths}
     config = json.loads((REPO / BASE_CONFIG).read_text())
@@ -251,6 +251,7 @@ def write_report(args, records, skipped, started, argv) -> Path:
 {(time.time() - started) / 60:.1f} minutes. {status}
 {sum(r.get('reused') == 'record' for r in records.values())} records were reused from earlier invocations; the runs
 trained for {sum(r['train_seconds'] for r in records.values()) / 60:.0f} minutes in total.
+{study_lib.wall_time_sentence(specs, records, args.jobs)}
 
 ## The paper's depth predictions
 
