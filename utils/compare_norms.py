@@ -1,7 +1,8 @@
 """CPU-scale study: Pre-LN against LNS (and the other placements) on one data set and budget, with every instrument.
 
-    python utils/compare_norms.py                      # default budget: 2.3 hours measured on 2 CPU cores
-    python utils/compare_norms.py --budget rivals      # + every other baseline and rival (resumes across calls)
+    python utils/compare_norms.py                      # default budget: about 2 hours on 2 CPU cores
+    python utils/compare_norms.py --budget rivals      # + every other baseline and rival, a second pure-bf16 seed,
+                                                       #   Post-LN, Mix-LN and DeepNorm at 3 seeds (resumes)
     python utils/compare_norms.py --budget long        # Pre-LN vs LNS at 5x the steps (resumes across calls)
     python utils/compare_norms.py --quick              # smoke test (CI), a few minutes
     python utils/compare_norms.py --report_only        # rewrite the report from the saved records
@@ -218,6 +219,8 @@ def one_seed_differences(records, pre: str, lns: str) -> list[float | None]:
 def precision_section(records, fp32: list[verdicts.Verdict], bf16: list[verdicts.Verdict]) -> str:
     """Each claim's effect in both precisions side by side, then what pure bf16 does to each norm type's loss."""
     single = one_seed_differences(records, "pre_bf16", "lns_bf16")
+    one_seed_note = (" With one pure-bf16 seed the bf16 effect is a point estimate; `--budget rivals` adds a second "
+                     "seed and gives the intervals (report_rivals.md).") if any(p is not None for p in single) else ""
     rows = []
     for a, b, point in zip(fp32, bf16, single):
         b_effect = b.effect if b.effect is not None else point
@@ -239,8 +242,7 @@ def precision_section(records, fp32: list[verdicts.Verdict], bf16: list[verdicts
         cost_lines.append(f"- {v.line()}")
     return ("### Does precision change the conclusions?\n\n"
             "The table puts each claim's effect in both precisions side by side; the last column says whether their "
-            "signs agree. With one pure-bf16 seed the bf16 effect is a point estimate; `--budget rivals` adds a "
-            "second seed and gives the intervals (report_rivals.md).\n\n"
+            f"signs agree.{one_seed_note}\n\n"
             "| claim (LNS − Pre-LN) | float32 effect [95% CI], seeds agreeing | pure bf16 effect [95% CI], seeds "
             "agreeing | sign |\n|---|---|---|---|\n" + "\n".join(rows)
             + "\n\nWhat pure bf16 costs each norm type (pure bf16 minus float32, paired by seed; here "
@@ -340,7 +342,7 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
 
 A verdict compares two arms seed by seed (only seeds where both finished form a pair). The effect is the mean
 paired difference (LNS minus Pre-LN unless stated), with a 95% Student-t interval over the pairs. **reproduced**
-means the paper's direction AND an interval that excludes zero; **opposite** means an interval that excludes zero
+means the claim's direction (the paper's, for the paper's claims) AND an interval that excludes zero; **opposite** means an interval that excludes zero
 the other way; **inside noise** means the interval contains zero. A removal claim where removing a deep layer helps
 both models (negative costs) is never counted as reproduced.
 

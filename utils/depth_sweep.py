@@ -220,7 +220,7 @@ def write_report(args, records, skipped, started, argv) -> Path:
     dynamics = {}
     for depth in (depths[0], depths[-1]):
         arms = {f"L{depth}-{n}": f"{label}, L={depth}" for n, label in NORMS.items()}
-        dynamics[depth] = study_lib.plot_dynamics(records, arms, out / f"dynamics_L{depth}.png")
+        dynamics[depth] = study_lib.plot_dynamics(records, arms, out / f"dynamics_L{depth}{suffix}.png")
 
     rows = []
     for depth in depths:
@@ -299,7 +299,7 @@ Deep = the deeper half of the layers.
 - **Speed** (median tokens/s per run, one thread): {', '.join(f"L={d}: {np.median(v):,.0f}" for d, v in speeds.items() if v)}.
 - **Machine**: {study_lib.machine_description()}; {study_lib.software_versions()}.
 
-Raw numbers: one JSON record per run in `runs/`, and `summary.json`.
+Raw numbers: one JSON record per run in `runs/`, and `summary{suffix}.json`.
 """
     summary = dict(budget=args.budget, settings=s, predictions=[v.as_dict() for v in predictions],
                    gaps=[v.as_dict() for v in gaps], runs=sorted(records),
