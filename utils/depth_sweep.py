@@ -30,10 +30,10 @@ from utils import study_lib, verdicts  # noqa: E402
 from utils.study_lib import RunSpec  # noqa: E402
 
 NORMS = {"pre": "Pre-LN", "lns": "LNS"}
-# Hidden 64 (head dim 16) keeps a 48-layer run near 16 minutes with its analyses on one core; 128 would make every
-# run about four times dearer. Measured per run (train + analyses): L=6 4, L=12 5.4, L=24 about 9, L=48 about 16,
-# L=96 about 30 run-minutes, so the four depths of the default fit in 2 hours on 2 cores and L=96 is the `deep`
-# extension, which shares the default's records.
+# Hidden 64 (head dim 16) keeps a 48-layer run near 20 minutes with its analyses on one core; 128 would make every
+# run about four times dearer. Measured per run (train + analyses, two runs side by side): L=6 3.8, L=12 5.4,
+# L=24 10.4 run-minutes, about linear in L, so L=48 takes about 20 and L=96 about 40: the four depths of the default
+# fit in 2 hours on 2 cores, and L=96 is the `deep` extension, which shares the default's records.
 BASE_CONFIG = "configs/llama_tiny.json"
 BUDGETS = {
     "default": dict(depths=(6, 12, 24, 48), steps=400, warmup=40, batch_size=16, max_length=128,
