@@ -107,15 +107,22 @@ def lm_eval_command(model_path: str | Path, our_checkpoint: bool, max_length: in
 
 # ----------------------------------------------------------------------------- sweep
 def evaluate(model, tokenizer, tasks: list[str], manager, batch_size: int, limit, bootstrap_iters: int,
-             max_length: int) -> dict:
+             max_length: int, per_document: bool = False) -> tuple[dict, dict]:
     """lm-eval on an in-memory model, never feeding it more than max_length positions (rolling-perplexity windows
-    and truncated contexts are cut there); returns {task: {metric: (value, higher_is_better)}}."""
+    and truncated contexts are cut there). Returns {task: {metric: (value, higher_is_better)}} and, with
+    per_document, {task: {metric name: [each document's value, in document order]}} (else {})."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
     lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=batch_size, max_length=max_length)
     output = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
-                             bootstrap_iters=bootstrap_iters, log_samples=False)
+                             bootstrap_iters=bootstrap_iters, log_samples=per_document)
+    documents = {}
+    for task in tasks if per_document else ():
+        if task not in output["samples"]:
+            raise ValueError(f"--per_document: lm-eval logged no samples for {task!r} (a group of tasks?); "
+                             "name its subtasks instead")
+        documents[task] = document_values(output["samples"][task])
     scores = {}
     for task in tasks:
         metrics = output["results"].get(task)
@@ -127,7 +134,16 @@ def evaluate(model, tokenizer, tasks: list[str], manager, batch_size: int, limit
                         if key.split(",")[0] in directions and isinstance(value, (int, float))}
         if not scores[task]:
             raise ValueError(f"--tasks: lm-eval reported no metric for {task!r}")
-    return scores
+    return scores, documents
+
+
+def document_values(samples: list[dict]) -> dict[str, list]:
+    """Each metric's per-document values from lm-eval's logged samples, in document order. A perplexity metric's
+    value is the pair lm-eval aggregates: [log-likelihood, words or bytes]; an accuracy is a number."""
+    samples = sorted(samples, key=lambda sample: sample["doc_id"])
+    names = samples[0]["metrics"] if samples else []
+    return {name: [list(s[name]) if isinstance(s[name], (tuple, list)) else s[name] for s in samples]
+            for name in names}
 
 
 def check_metric_reported(tasks: list[str], manager, metric: str) -> None:
@@ -161,31 +177,42 @@ def pick_metric(scores: dict, task: str, metric: str | None) -> str:
 
 def sweep(model, tokenizer, tasks: list[str], manager, max_length: int, metric: str | None = None,
           batch_size: int = 8, limit=None, bootstrap_iters: int = 0,
-          layer_indices: list[int] | None = None) -> list[dict]:
+          layer_indices: list[int] | None = None, per_document: bool = False) -> list[dict]:
     """Baseline plus one evaluation per removed layer; one row per (removed layer, task).
 
     ``drop`` is the performance lost by removing the layer (positive = worse), whatever the metric's direction:
     baseline - value when higher is better (accuracy), value - baseline when lower is better (perplexity).
+    With ``per_document`` each row also holds ``documents``: the metric's value on each document (see
+    document_values), for intervals over documents.
     """
     num_layers = len(model_io.decoder_layers(model))
     layer_indices = list(range(num_layers)) if layer_indices is None else layer_indices
     for index in layer_indices:
         check_layer_index(index, num_layers)
 
-    baseline = evaluate(model, tokenizer, tasks, manager, batch_size, limit, bootstrap_iters, max_length)
+    def row(removed_layer, task, key, value, drop, relative_drop, documents):
+        found = dict(removed_layer=removed_layer, task=task, metric=key, value=value, drop=drop,
+                     relative_drop=relative_drop)
+        if per_document:
+            found["documents"] = documents[task][key.split(",")[0]]
+        return found
+
+    baseline, baseline_documents = evaluate(model, tokenizer, tasks, manager, batch_size, limit, bootstrap_iters,
+                                            max_length, per_document)
     metric_by_task = {task: pick_metric(baseline, task, metric) for task in tasks}
-    rows = [dict(removed_layer=None, task=task, metric=metric_by_task[task],
-                 value=baseline[task][metric_by_task[task]][0], drop=0.0, relative_drop=0.0) for task in tasks]
+    rows = [row(None, task, metric_by_task[task], baseline[task][metric_by_task[task]][0], 0.0, 0.0,
+                baseline_documents) for task in tasks]
     for index in tqdm(layer_indices, desc="removing layers", unit="layer", dynamic_ncols=True):
         with layer_removed(model, index):
-            scores = evaluate(model, tokenizer, tasks, manager, batch_size, limit, bootstrap_iters, max_length)
+            scores, documents = evaluate(model, tokenizer, tasks, manager, batch_size, limit, bootstrap_iters,
+                                         max_length, per_document)
         for task in tasks:
             key = metric_by_task[task]
             base_value, higher_is_better = baseline[task][key]
             value = scores[task][key][0]
             drop = base_value - value if higher_is_better else value - base_value
-            rows.append(dict(removed_layer=index, task=task, metric=key, value=value, drop=drop,
-                             relative_drop=drop / abs(base_value) if base_value else float("nan")))
+            rows.append(row(index, task, key, value, drop, drop / abs(base_value) if base_value else float("nan"),
+                            documents))
     return rows
 
 
@@ -193,7 +220,9 @@ def save_sweep(rows: list[dict], output_dir: Path, metadata: dict) -> list[Path]
     output_dir.mkdir(parents=True, exist_ok=True)
     csv_path = output_dir / "layer_removal.csv"
     with csv_path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        # the per-document values (--per_document) stay in the JSON
+        writer = csv.DictWriter(handle, fieldnames=[key for key in rows[0] if key != "documents"],
+                                extrasaction="ignore")
         writer.writeheader()
         for row in rows:
             writer.writerow({key: "baseline" if key == "removed_layer" and value is None else value
@@ -260,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"text for {lm_eval_tasks.HELDOUT_PERPLEXITY_TASK} (default: embedded held-out novel)")
     parser.add_argument("--task_max_documents", type=int, default=None,
                         help=f"keep only the first N documents in {lm_eval_tasks.HELDOUT_PERPLEXITY_TASK}")
+    parser.add_argument("--per_document", action="store_true",
+                        help="also keep each document's metric value in layer_removal.json (for intervals over "
+                             "documents); off by default, since it makes lm-eval keep every sample")
     parser.add_argument("--output_dir", default="runs/analysis/layer_removal", help="where the sweep table and plot go")
     return parser
 
@@ -356,7 +388,7 @@ def run_sweep(parser, args, device, dtype) -> list[dict]:
         try:
             rows = sweep(model, tokenizer, tasks, manager, max_length, metric=args.metric,
                          batch_size=args.eval_batch_size, limit=limit, bootstrap_iters=args.bootstrap_iters,
-                         layer_indices=layer_indices)
+                         layer_indices=layer_indices, per_document=args.per_document)
         except ValueError as err:
             parser.error(str(err))
     metadata = dict(model_path=args.model_path, tasks=tasks, limit=args.limit, num_layers=num_layers,

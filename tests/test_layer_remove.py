@@ -199,3 +199,21 @@ def test_sweep_runs_end_to_end_through_lm_eval_offline(tmp_path):
     payload = json.loads((out / "layer_removal.json").read_text())
     assert len(payload["rows"]) == 3 and payload["tasks"] == ["heldout_novel_ppl"]
     assert (out / "layer_removal.png").stat().st_size > 0
+
+
+def test_sweep_per_document_values_add_up_to_the_reported_perplexity(tmp_path):
+    model_dir = save_with_tokenizer(tiny_ours("pre", num_layers=2), tmp_path / "model")
+    text = write_jsonl(tmp_path / "heldout.jsonl", [document[:400] for document in heldout_documents(3)])
+    out = tmp_path / "sweep"
+    result = run_cli("layer_remove.py", "--model_path", str(model_dir), "--sweep", "--task_text_file", str(text),
+                     "--task_max_documents", "3", "--eval_batch_size", "2", "--per_document", "--output_dir", str(out))
+    assert result.returncode == 0, result.stderr
+    rows = json.loads((out / "layer_removal.json").read_text())["rows"]
+    for row in rows:
+        documents = row["documents"]  # [log-likelihood, words] per document, in document order
+        assert len(documents) == 3 and all(loglik < 0 < words for loglik, words in documents)
+        pooled = math.exp(-sum(loglik for loglik, _ in documents) / sum(words for _, words in documents))
+        assert pooled == pytest.approx(row["value"], rel=1e-6)
+    assert rows[0]["documents"] != rows[1]["documents"]
+    with (out / "layer_removal.csv").open() as handle:
+        assert "documents" not in next(csv.DictReader(handle))

@@ -167,8 +167,37 @@ def test_depth_sweep_quick_end_to_end_then_reuses_every_record(tmp_path):
     record = json.loads(next((out / "runs").glob("L4-lns-seed1.json")).read_text())
     analysed = record["analyses"][max(record["analyses"], key=int)]
     assert len(analysed["jacobian_rel_identity_dev"]) == 4 and len(analysed["removal_nats"]) == 4
+    assert len(analysed["removal_document_nats"]) == 2 and len(analysed["removal_document_costs"]) == 4  # 2 documents
+    assert len(study_lib.document_measures(record)["removal_deep"]) == 2
     # A second invocation, with the runs folder gone, reuses the committed records and trains nothing.
     shutil.rmtree(runs)
     assert depth_sweep.main(["--quick", "--out", str(out), "--runs_dir", str(runs)]) == 0
     assert not (runs / "logs").exists()
     assert "8 records were reused" in (out / "report.md").read_text()
+
+
+def test_one_seed_pairs_are_judged_over_held_out_documents():
+    def record(arm, seed, document_nats, deep_costs):
+        analysis = dict(crafted_analysis(), removal_document_nats=document_nats,
+                        removal_document_costs=[[0.5] * len(document_nats)] * 4 + [deep_costs] * 4)
+        return dict(arm=arm, seed=seed, status="finished", final_eval_loss=5.0, eval_curve=[[4, 5.0]],
+                    analyses={"4": analysis})
+
+    pre_nats = [5.0, 5.2, 4.9, 5.1, 5.3, 5.0]
+    records = {"pre_bf16-seed1": record("pre_bf16", 1, pre_nats, [0.01] * 6),
+               "lns_bf16-seed1": record("lns_bf16", 1, [n - 0.2 for n in pre_nats], [0.03, 0.02, 0.04, 0.03, 0.02, 0.03])}
+    found = compare_norms.pair_verdicts(records, "pre_bf16", "lns_bf16")
+    loss, removal = found[0], found[-1]
+    assert loss.unit == "documents" and loss.n_pairs == 6
+    assert loss.effect == pytest.approx(-0.2) and loss.status == verdicts.REPRODUCED
+    assert "bootstrap over 6 held-out documents" in loss.reason
+    assert removal.unit == "documents" and removal.effect == pytest.approx(0.17 / 6 - 0.01)
+    assert removal.status == verdicts.REPRODUCED
+    assert all(v.status == verdicts.NOT_MEASURABLE for v in found[1:-1])  # no per-token values: still one seed
+    # Removal that helps both models on every document is "not reproduced", whatever the order.
+    records["pre_bf16-seed1"] = record("pre_bf16", 1, pre_nats, [-0.03] * 6)
+    records["lns_bf16-seed1"] = record("lns_bf16", 1, pre_nats, [-0.01, -0.02, -0.01, -0.015, -0.01, -0.02])
+    assert compare_norms.pair_verdicts(records, "pre_bf16", "lns_bf16")[-1].status == verdicts.NOT_REPRODUCED
+    # A run analysed before per-document values existed keeps the one-seed "not measurable".
+    del records["lns_bf16-seed1"]["analyses"]["4"]["removal_document_costs"]
+    assert compare_norms.pair_verdicts(records, "pre_bf16", "lns_bf16")[0].status == verdicts.NOT_MEASURABLE

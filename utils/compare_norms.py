@@ -157,20 +157,57 @@ def values(records, arm: str, measure: str, step: int | None = None) -> dict[int
     return study_lib.by_seed(records, arm, measure, step)
 
 
+def one_shared_seed_documents(records, a: str, b: str) -> tuple[dict, dict] | None:
+    """When arms a and b share exactly one finished seed and both runs kept per-document values: those values."""
+    seeds = [s for s, v in values(records, a, "eval_loss").items()
+             if v is not None and values(records, b, "eval_loss").get(s) is not None]
+    if len(seeds) != 1:
+        return None
+    found = [study_lib.document_measures(records[f"{arm}-seed{seeds[0]}"]) for arm in (a, b)]
+    return None if None in found else (found[0], found[1])
+
+
+def documents_note(verdict: verdicts.Verdict, what: str) -> verdicts.Verdict:
+    note = (f"one seed, so the interval is a bootstrap over {verdict.n_pairs} held-out documents of {what}; "
+            "it holds the documents' noise, not the seed's")
+    verdict.reason = f"{note}; {verdict.reason}" if verdict.reason else note
+    return verdict
+
+
+def loss_verdict(records, a: str, b: str, claim: str, direction: int = -1) -> verdicts.Verdict:
+    """b's eval loss against a's, paired by seed; with one shared seed, the held-out loss per document instead."""
+    labels = (ARM_BY_NAME[a].label, ARM_BY_NAME[b].label)
+    verdict = verdicts.judge_seeds(claim, direction, values(records, a, "eval_loss"), values(records, b, "eval_loss"),
+                                   labels)
+    documents = one_shared_seed_documents(records, a, b) if verdict.status == verdicts.NOT_MEASURABLE else None
+    if documents is None:
+        return verdict
+    return documents_note(verdicts.judge_documents(claim, direction, documents[0]["heldout_nats"],
+                                                   documents[1]["heldout_nats"]),
+                          "the held-out novel's loss (nats/word, not the trainer's eval loss)")
+
+
 def pair_verdicts(records, pre: str, lns: str) -> list[verdicts.Verdict]:
     labels = (ARM_BY_NAME[pre].label, ARM_BY_NAME[lns].label)
     found = [verdicts.judge_seeds(claim, direction, values(records, pre, measure), values(records, lns, measure),
                                   labels, log_ratio=log_ratio)
              for claim, measure, direction, log_ratio in CORE_CLAIMS]
+    found[0] = loss_verdict(records, pre, lns, CORE_CLAIMS[0][0], CORE_CLAIMS[0][2])
     found.append(verdicts.judge_layer_removal(REMOVAL_CLAIM, values(records, pre, "removal_deep"),
                                               values(records, lns, "removal_deep"), labels))
+    documents = one_shared_seed_documents(records, pre, lns) if found[-1].status == verdicts.NOT_MEASURABLE else None
+    if documents is not None:
+        found[-1] = documents_note(verdicts.judge_layer_removal_documents(
+            REMOVAL_CLAIM, documents[0]["removal_deep"], documents[1]["removal_deep"], labels),
+            "the deep-half removal cost (nats/word)")
     return found
 
 
 def effect_text(v: verdicts.Verdict) -> str:
     if v.effect is None:
         return v.status
-    return f"{v.effect:+.4f} [{v.low:+.4f}, {v.high:+.4f}], {v.n_agree}/{v.n_pairs} ({v.status})"
+    unit = "" if v.unit == "seeds" else f" {v.unit}"
+    return f"{v.effect:+.4f} [{v.low:+.4f}, {v.high:+.4f}], {v.n_agree}/{v.n_pairs}{unit} ({v.status})"
 
 
 def verdict_lines(found: list[verdicts.Verdict]) -> str:
@@ -187,8 +224,7 @@ def loss_vs_pre_rows(records, arms: list[Arm]) -> tuple[list[str], list[verdicts
         cells = [arm.label, f"{sum(finished) / len(finished):.4f}" if finished else "n/a",
                  f"{len(finished)}/{len(per_seed)}" + (f" ({diverged} diverged)" if diverged else "")]
         if arm.name != "pre":
-            v = verdicts.judge_seeds(f"{arm.label} reaches a lower eval loss than Pre-LN", -1,
-                                     values(records, "pre", "eval_loss"), per_seed, ("Pre-LN", arm.label))
+            v = loss_verdict(records, "pre", arm.name, f"{arm.label} reaches a lower eval loss than Pre-LN")
             found.append(v)
             cells.append(effect_text(v))
         else:
@@ -227,9 +263,8 @@ def precision_section(records, fp32: list[verdicts.Verdict], bf16: list[verdicts
         b_text = effect_text(b) if b.effect is not None or point is None else f"{point:+.4f} (one seed, no interval)"
         same = a.effect is not None and b_effect is not None and (a.effect > 0) == (b_effect > 0)
         rows.append(f"| {a.claim} | {effect_text(a)} | {b_text} | {'same' if same else 'differs'} |")
-    cost = [verdicts.judge_seeds(f"Pure bf16 raises {label}'s eval loss over float32", +1,
-                                 values(records, arm, "eval_loss"), values(records, f"{arm}_bf16", "eval_loss"),
-                                 ("float32", "pure bf16")) for arm, label in (("pre", "Pre-LN"), ("lns", "LNS"))]
+    cost = [loss_verdict(records, arm, f"{arm}_bf16", f"Pure bf16 raises {label}'s eval loss over float32", +1)
+            for arm, label in (("pre", "Pre-LN"), ("lns", "LNS"))]
     cost_lines = []
     for v, arm in zip(cost, ("pre", "lns")):
         if v.effect is None:

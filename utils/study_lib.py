@@ -374,7 +374,7 @@ def analyse_checkpoint(checkpoint: Path, settings: AnalysisSettings, out_dir: Pa
         jacobian = sorted(csv.DictReader(handle), key=lambda row: int(row["layer"]))
     _tool(layer_remove.main, ["--model_path", str(checkpoint), "--sweep", "--tasks", "heldout_novel_ppl",
                               "--task_max_documents", str(settings.removal_documents), "--device", "cpu",
-                              "--dtype", "float32", "--max_seq_len", str(settings.max_seq_len),
+                              "--dtype", "float32", "--max_seq_len", str(settings.max_seq_len), "--per_document",
                               "--output_dir", str(out_dir / "removal")], log)
     rows = json.loads((out_dir / "removal" / "layer_removal.json").read_text())["rows"]
     baseline = next(r for r in rows if r["removed_layer"] is None)
@@ -388,6 +388,12 @@ def analyse_checkpoint(checkpoint: Path, settings: AnalysisSettings, out_dir: Pa
         removal_metric=baseline["metric"], removal_baseline=float(baseline["value"]),
         # The loss rise in nats per word: ln(ppl without the layer / ppl with it).
         removal_nats=[math.log(r["value"] / baseline["value"]) for r in removed],
+        # Per held-out document (for intervals over documents when an arm has one seed): the intact model's loss in
+        # nats per word, and per removed layer the rise in it.
+        removal_document_nats=[-loglik / words for loglik, words in baseline["documents"]],
+        removal_document_costs=[[(base_loglik - loglik) / words
+                                 for (base_loglik, words), (loglik, _) in zip(baseline["documents"], r["documents"])]
+                                for r in removed],
         norm_gains=norm_gains(checkpoint),
     )
 
@@ -430,6 +436,21 @@ def summarise_analysis(analysis: dict) -> dict:
         jacobian_deep=float(np.mean(deep_half(analysis["jacobian_rel_identity_dev"]))),
         norm_gain_mean=float(np.mean(gains)) if gains else float("nan"),
     )
+
+
+def document_measures(record: dict, step: int | None = None) -> dict | None:
+    """Per-document values at an analysed step (default: the last), or None for a run analysed without them:
+    heldout_nats, the held-out loss per document (nats/word), and removal_deep, per document the mean loss rise
+    over the deeper half of the layers."""
+    analyses = record.get("analyses") or {}
+    if not analyses or record.get("status") != "finished":
+        return None
+    analysis = analyses[str(step if step is not None else max(int(s) for s in analyses))]
+    if "removal_document_costs" not in analysis:
+        return None
+    deep = analysis["removal_document_costs"][len(analysis["removal_document_costs"]) // 2:]
+    return dict(heldout_nats=analysis["removal_document_nats"],
+                removal_deep=[float(np.mean(per_layer)) for per_layer in zip(*deep)] if deep else [])
 
 
 MEASURES = {

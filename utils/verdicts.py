@@ -19,7 +19,8 @@ Statuses:
 - ``opposite``: the interval excludes 0 on the other side;
 - ``inside noise``: the interval contains 0;
 - ``not measurable``: fewer than 2 pairs (everything diverged, or the arms share fewer than 2 seeds);
-- ``not reproduced``: only from ``judge_layer_removal``, when removing a deep layer helps both models (see there).
+- ``not reproduced``: only from ``judge_layer_removal`` (and its per-document twin), when removing a deep layer helps
+  both models (see there).
 
 Pure Python and numpy: no torch, no plotting.
 """
@@ -267,7 +268,23 @@ def judge_layer_removal(claim: str, pre_drops: Mapping[Hashable, float | None],
     if verdict.status == NOT_MEASURABLE:
         return verdict
     pairing = pair_by_seed(pre_drops, lns_drops, labels)
-    mean_pre, mean_lns = float(pairing.a.mean()), float(pairing.b.mean())
+    return _unordered_when_removal_helps_both(verdict, float(pairing.a.mean()), float(pairing.b.mean()), labels)
+
+
+def judge_layer_removal_documents(claim: str, pre_drops: Sequence[float], lns_drops: Sequence[float],
+                                  labels: tuple[str, str] = ("Pre-LN", "LNS"), **bootstrap) -> Verdict:
+    """judge_layer_removal for a single pair of models: per-document drops on the same documents, a bootstrap
+    interval over documents, and the same rule when removal helps both models on average."""
+    verdict = judge_documents(claim, +1, pre_drops, lns_drops, **bootstrap)
+    if verdict.status == NOT_MEASURABLE:
+        return verdict
+    pre, lns = np.asarray(pre_drops, dtype=float), np.asarray(lns_drops, dtype=float)
+    keep = np.isfinite(pre) & np.isfinite(lns)
+    return _unordered_when_removal_helps_both(verdict, float(pre[keep].mean()), float(lns[keep].mean()), labels)
+
+
+def _unordered_when_removal_helps_both(verdict: Verdict, mean_pre: float, mean_lns: float,
+                                       labels: tuple[str, str]) -> Verdict:
     if mean_pre < 0 and mean_lns < 0:
         verdict.status = NOT_REPRODUCED
         note = (f"removing a deep layer helps both models (mean drop {labels[0]} {mean_pre:+.4g}, "
