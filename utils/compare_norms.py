@@ -255,8 +255,9 @@ def one_seed_differences(records, pre: str, lns: str) -> list[float | None]:
 def precision_section(records, fp32: list[verdicts.Verdict], bf16: list[verdicts.Verdict]) -> str:
     """Each claim's effect in both precisions side by side, then what pure bf16 does to each norm type's loss."""
     single = one_seed_differences(records, "pre_bf16", "lns_bf16")
-    one_seed_note = (" With one pure-bf16 seed the bf16 effect is a point estimate; `--budget rivals` adds a second "
-                     "seed and gives the intervals (report_rivals.md).") if any(p is not None for p in single) else ""
+    one_seed_note = (" With one pure-bf16 seed, the loss and removal claims are judged over held-out documents and "
+                     "the others are point estimates; `--budget rivals` adds a second seed and gives seed intervals "
+                     "(report_rivals.md).") if any(p is not None for p in single) else ""
     rows = []
     for a, b, point in zip(fp32, bf16, single):
         b_effect = b.effect if b.effect is not None else point
@@ -388,7 +389,9 @@ both models (negative costs) is never counted as reproduced.
 {table}
 
 Deep = the deeper half of the layers. Removal cost = ln(perplexity without the layer / with it) on
-{s['removal_documents']} held-out documents, nats per word.
+{s['removal_documents']} held-out documents, nats per word. An effect counted in documents comes from an arm with one
+seed: it is the held-out novel's loss per word (not the trainer's eval loss per token), with a bootstrap interval over
+the documents, which holds the documents' noise and not the seed's.
 
 ## Dynamics and per-layer profiles
 
