@@ -177,8 +177,11 @@ def plot_against_depth(args, records, path: Path) -> Path:
             if xs:
                 ax.errorbar(xs, means, yerr=errors, marker="o", markersize=4, capsize=3, label=label)
         ax.set_xscale("log", base=2)
+        if measure == "variance_growth":
+            ax.set_yscale("log")  # Pre-LN's growth spans orders of magnitude across depths
         ax.set_xticks(depths, [str(d) for d in depths])
-        ax.set_title(study_lib.MEASURES[measure], fontsize=9)
+        ax.set_title(study_lib.MEASURES[measure] + (" (log scale)" if measure == "variance_growth" else ""),
+                     fontsize=9)
         ax.set_xlabel("layers L")
         ax.grid(alpha=0.3)
     return study_lib.finish_grid(fig, axes, len(measures),
