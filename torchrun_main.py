@@ -223,7 +223,7 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
     if not meta_init:
         model = model.to(device)
     if args.activation_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     n_params = sum(p.numel() for p in model.parameters())
     options = " ".join(f"{option}={getattr(config, option)}" for option in args_utils.MODEL_OPTIONS[3:])
     log(f"model: {args.model_config} norm_type={config.norm_type} post_num={config.post_num} "

@@ -257,7 +257,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
     for checkpointing in (False, True):
         model = tiny_model("lns").train()
         if checkpointing:
-            model.gradient_checkpointing_enable()
+            model.activation_checkpointing_enable()
             assert model.model.gradient_checkpointing
         model(tokens, labels=tokens).loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))

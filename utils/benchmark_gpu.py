@@ -58,7 +58,7 @@ def measure(config_path, *, dtype: str, compiled: bool, batch: int, seq_len: int
         model = model.to(torch.bfloat16)
     model = model.to(device).train()
     if activation_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     runner = torch.compile(model) if compiled else model
     optimizer = training_utils.build_optimizer(model.parameters(), "adam", 1e-4, 0.0)
     tokens = torch.randint(0, config.vocab_size, (batch, seq_len), device=device)

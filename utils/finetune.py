@@ -205,7 +205,7 @@ def prepare_model(args, parser, device):
         print(f"[finetune] warning: --cutoff_len {args.cutoff_len} exceeds the context the model was pretrained at "
               f"({trained}); longer examples train positions it never saw (evaluation stays at {trained})")
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if args.finetune == "lora":
         model = add_lora(model, args, parser)
     return model.train(), tokenizer

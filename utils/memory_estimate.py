@@ -107,7 +107,7 @@ def _training_model(config, dtype: str, activation_checkpointing: bool):
         model = model.to(torch.bfloat16)
     model.train()
     if activation_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     return model
 
 
