@@ -189,10 +189,11 @@ def loss_verdict(records, a: str, b: str, claim: str, direction: int = -1) -> ve
 
 def pair_verdicts(records, pre: str, lns: str) -> list[verdicts.Verdict]:
     labels = (ARM_BY_NAME[pre].label, ARM_BY_NAME[lns].label)
-    found = [verdicts.judge_seeds(claim, direction, values(records, pre, measure), values(records, lns, measure),
-                                  labels, log_ratio=log_ratio)
-             for claim, measure, direction, log_ratio in CORE_CLAIMS]
-    found[0] = loss_verdict(records, pre, lns, CORE_CLAIMS[0][0], CORE_CLAIMS[0][2])
+    loss_claim, _, loss_direction, _ = CORE_CLAIMS[0]
+    found = [loss_verdict(records, pre, lns, loss_claim, loss_direction)]
+    found += [verdicts.judge_seeds(claim, direction, values(records, pre, measure), values(records, lns, measure),
+                                   labels, log_ratio=log_ratio)
+              for claim, measure, direction, log_ratio in CORE_CLAIMS[1:]]
     found.append(verdicts.judge_layer_removal(REMOVAL_CLAIM, values(records, pre, "removal_deep"),
                                               values(records, lns, "removal_deep"), labels))
     documents = one_shared_seed_documents(records, pre, lns) if found[-1].status == verdicts.NOT_MEASURABLE else None
