@@ -159,8 +159,8 @@ def values(records, arm: str, measure: str, step: int | None = None) -> dict[int
 
 def one_shared_seed_documents(records, a: str, b: str) -> tuple[dict, dict] | None:
     """When arms a and b share exactly one finished seed and both runs kept per-document values: those values."""
-    seeds = [s for s, v in values(records, a, "eval_loss").items()
-             if v is not None and values(records, b, "eval_loss").get(s) is not None]
+    a_losses, b_losses = values(records, a, "eval_loss"), values(records, b, "eval_loss")
+    seeds = [s for s, v in a_losses.items() if v is not None and b_losses.get(s) is not None]
     if len(seeds) != 1:
         return None
     found = [study_lib.document_measures(records[f"{arm}-seed{seeds[0]}"]) for arm in (a, b)]
