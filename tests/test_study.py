@@ -2,6 +2,7 @@
 import dataclasses
 import json
 import math
+import os
 import shutil
 
 import pytest
@@ -155,9 +156,12 @@ def test_depth_sweep_bad_input_is_one_line(capsys):
 
 def test_depth_sweep_quick_end_to_end_then_reuses_every_record(tmp_path):
     out, runs = tmp_path / "report", tmp_path / "runs"
-    assert depth_sweep.main(["--quick", "--out", str(out), "--runs_dir", str(runs)]) == 0
+    assert depth_sweep.main(["--quick", "--overfit_probe", "--out", str(out), "--runs_dir", str(runs)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["runs"]) == 8 and not summary["missing"]  # 2 depths x 2 norms x 2 seeds
+    probe = summary["overfit_probe"]  # the probe: L4 (the deepest), eval every 2 of 8 updates
+    assert probe["arm"] == "overfit-L4-lns" and [step for step, _ in probe["eval_curve"]] == [2, 4, 6, 8]
+    assert (out / "overfit_probe.png").stat().st_size > 1000
     statuses = {"reproduced", "opposite", "inside noise", "not measurable", "not reproduced"}
     assert summary["predictions"] and all(p["status"] in statuses for p in summary["predictions"])
     report = (out / "report.md").read_text()
@@ -173,7 +177,32 @@ def test_depth_sweep_quick_end_to_end_then_reuses_every_record(tmp_path):
     shutil.rmtree(runs)
     assert depth_sweep.main(["--quick", "--out", str(out), "--runs_dir", str(runs)]) == 0
     assert not (runs / "logs").exists()
-    assert "8 records were reused" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "8 records were reused" in report and "| step | 2 | 4 | 6 | 8 |" in report  # the probe's record too
+
+
+def test_overfit_point_finds_the_lowest_eval_and_whether_the_loss_rose_after_it():
+    rising = depth_sweep.overfit_point(dict(eval_curve=[[250, 5.0], [500, 4.6], [750, 4.7], [1000, 4.9]]))
+    assert rising["best_step"] == 500 and rising["overfits"] and rising["rise_after_best"] == pytest.approx(0.3)
+    falling = depth_sweep.overfit_point(dict(eval_curve=[[500, 4.6], [250, 5.0]]))  # order does not matter
+    assert falling["best_step"] == 500 and not falling["overfits"]
+
+
+def test_an_interrupted_run_resumes_from_its_last_checkpoint(tmp_path):
+    args = depth_sweep.parse_args(["--quick", "--out", str(tmp_path / "report"), "--runs_dir", str(tmp_path / "runs")])
+    spec, settings = depth_sweep.probe_spec(args), study_lib.analysis_settings(args.settings)
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
+    whole = study_lib.run_job(spec, settings, args.runs_dir, tmp_path / "records", env)
+    # Make the folder look like a run killed after its step-6 checkpoint: no results, no step-8 checkpoint.
+    run_dir = args.runs_dir / spec.name
+    (run_dir / "results.json").unlink()
+    shutil.rmtree(run_dir / "model_8")
+    (tmp_path / "records" / f"{spec.name}.json").unlink()
+    resumed = study_lib.run_job(spec, settings, args.runs_dir, tmp_path / "records", env)
+    assert "resumed from" in (args.runs_dir / "logs" / f"{spec.name}.train.log").read_text()
+    assert [step for step, _ in resumed["eval_curve"]] == [2, 4, 6, 8]  # rows past step 6 replaced, not repeated
+    assert resumed["final_eval_loss"] == pytest.approx(whole["final_eval_loss"], abs=1e-5)
+    assert resumed["train_seconds"] > 0
 
 
 def test_one_seed_pairs_are_judged_over_held_out_documents():

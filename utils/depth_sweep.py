@@ -3,6 +3,7 @@
     python utils/depth_sweep.py                  # default budget: at most about 2 hours on 2 CPU cores
     python utils/depth_sweep.py --budget deep    # adds L=96 to the default's records (resumes across invocations)
     python utils/depth_sweep.py --budget long    # 3x the tokens per run (resumes across invocations)
+    python utils/depth_sweep.py --overfit_probe  # also find where the corpus overfits at the deepest depth
     python utils/depth_sweep.py --quick          # smoke test (CI)
     python utils/depth_sweep.py --report_only    # rewrite the report from the saved records
 
@@ -10,6 +11,10 @@ Every depth uses the same width, data, tokens, schedule and seeds; only the numb
 trained, then measured at three points through training with the repository's tools (utils/study_lib.py). For each
 of the paper's depth predictions the report gives a verdict: the per-seed slope of the measure against ln L, with a
 95% interval over seeds. Finished runs leave records in `<out>/runs/`, reused by later invocations.
+
+The token budget must stay below the point where the corpus starts to overfit at the deepest depth. The overfitting
+probe measures that point: one LNS run at the deepest depth, trained for many more updates with frequent evals (about
+an hour at L=48 on one core). It checkpoints as it goes and resumes where an interrupted invocation stopped.
 """
 from __future__ import annotations
 
@@ -39,12 +44,15 @@ BUDGETS = {
     "default": dict(depths=(6, 12, 24, 48), steps=400, warmup=40, batch_size=16, max_length=128,
                     eval_tokens=32_768, seeds=(1, 2, 3), dynamics_points=3, stream_tokens=8_192,
                     jacobian_tokens=32, jacobian_probes=8, removal_documents=16, out="docs/depth_sweep",
-                    runs_dir="runs/depth_sweep"),
+                    runs_dir="runs/depth_sweep",
+                    # the overfitting probe: LNS (the placement that reaches the lower loss) at the deepest depth
+                    probe_norm="lns", probe_seed=1, probe_steps=3000, probe_warmup=300, probe_eval_every=250),
     "deep": dict(depths=(6, 12, 24, 48, 96), report_suffix="_deep"),
     "long": dict(steps=1200, warmup=120, out="docs/depth_sweep_long", runs_dir="runs/depth_sweep_long"),
     "quick": dict(depths=(2, 4), steps=4, warmup=1, batch_size=4, max_length=64, eval_tokens=512, seeds=(1, 2),
                   dynamics_points=2, stream_tokens=256, jacobian_tokens=2, jacobian_probes=0, removal_documents=2,
-                  out="runs/depth_sweep_quick/report", runs_dir="runs/depth_sweep_quick"),
+                  out="runs/depth_sweep_quick/report", runs_dir="runs/depth_sweep_quick", probe_steps=8,
+                  probe_warmup=1, probe_eval_every=2),
 }
 PREDICTIONS = [
     # (the paper's prediction, norm type, measure, expected sign of d(measure)/d(ln L), log-transform the measure)
@@ -60,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     study_lib.add_study_arguments(parser, BUDGETS)
     parser.add_argument("--depths", nargs="+", type=int, default=None, help="override the budget's depths")
+    parser.add_argument("--overfit_probe", action="store_true",
+                        help="also train the overfitting probe (one long LNS run at the deepest depth; about an hour "
+                             "at L=48); without it the report uses the probe's record when there is one")
     return parser
 
 
@@ -92,21 +103,57 @@ def depth_config(args, depth: int) -> str:
         return str(path)
 
 
+def train_flags(args, depth: int, steps: int, warmup: int, eval_every: int) -> tuple[str, ...]:
+    s = args.settings
+    return ("--model_config", depth_config(args, depth), "--dataset", "embedded", "--tokenizer", "embedded",
+            "--packing", "--max_length", str(s["max_length"]), "--batch_size", str(s["batch_size"]),
+            "--total_batch_size", str(s["batch_size"]), "--lr", "1e-3", "--warmup_steps", str(warmup),
+            "--num_training_steps", str(steps), "--eval_every", str(eval_every), "--eval_tokens",
+            str(s["eval_tokens"]), "--grad_clipping", "1.0", "--weight_decay", "0", "--optimizer", "adam",
+            "--workers", "0", "--device", "cpu", "--dtype", "float32")
+
+
 def run_specs(args) -> list[RunSpec]:
     s = args.settings
     dynamics = study_lib.evenly_spaced_steps(s["steps"], s["dynamics_points"])
     specs = []
     for seed in s["seeds"]:
         for depth in s["depths"]:
-            base = ("--model_config", depth_config(args, depth), "--dataset", "embedded", "--tokenizer", "embedded",
-                    "--packing", "--max_length", str(s["max_length"]), "--batch_size", str(s["batch_size"]),
-                    "--total_batch_size", str(s["batch_size"]), "--lr", "1e-3", "--warmup_steps", str(s["warmup"]),
-                    "--num_training_steps", str(s["steps"]), "--eval_every", str(dynamics[0]), "--eval_tokens",
-                    str(s["eval_tokens"]), "--grad_clipping", "1.0", "--weight_decay", "0", "--optimizer", "adam",
-                    "--workers", "0", "--device", "cpu", "--dtype", "float32")
+            base = train_flags(args, depth, s["steps"], s["warmup"], dynamics[0])
             for norm in NORMS:
                 specs.append(RunSpec(f"L{depth}-{norm}", seed, (*base, "--norm_type", norm), dynamics))
     return specs
+
+
+def probe_spec(args) -> RunSpec:
+    """The overfitting probe: the deepest depth, trained far past the sweep's budget with an eval every
+    probe_eval_every updates; only its eval curve is used, so no checkpoint is analysed. It saves at every eval
+    (keeping the last two), so an interrupted probe resumes."""
+    s = args.settings
+    depth = max(s["depths"])
+    flags = (*train_flags(args, depth, s["probe_steps"], s["probe_warmup"], s["probe_eval_every"]),
+             "--keep_last", "2", "--norm_type", s["probe_norm"])
+    return RunSpec(f"overfit-L{depth}-{s['probe_norm']}", s["probe_seed"], flags, (), save_every=s["probe_eval_every"])
+
+
+def collect_probe(args) -> dict | None:
+    """The probe's record: trained with --overfit_probe (unless --report_only), otherwise read back if present."""
+    spec = probe_spec(args)
+    if args.overfit_probe and not args.report_only:
+        records, _ = study_lib.collect_records(args, [spec])
+    else:
+        records = study_lib.load_records([spec], study_lib.analysis_settings(args.settings), args.out / "runs")
+    return records.get(spec.name)
+
+
+def overfit_point(probe: dict) -> dict:
+    """Where the probe's eval loss is lowest, and whether it rose after that (the corpus overfits) or the run
+    ended still improving (the point lies beyond the probe)."""
+    curve = sorted((int(step), loss) for step, loss in probe["eval_curve"])
+    best_step, best_loss = min(curve, key=lambda point: point[1])
+    last_step, last_loss = curve[-1]
+    return dict(best_step=best_step, best_loss=best_loss, last_step=last_step, last_loss=last_loss,
+                overfits=best_step < last_step, rise_after_best=last_loss - best_loss)
 
 
 # ------------------------------------------------------------------------------------------------------ statistics
@@ -209,8 +256,66 @@ def plot_gap(gaps: list[verdicts.Verdict], depths, path: Path) -> Path:
     return path
 
 
+def plot_probe(probe: dict, budget_steps: int, path: Path) -> Path:
+    plt = study_lib.pyplot()
+    point = overfit_point(probe)
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    train = np.array(probe["train_curve"], dtype=float)
+    if len(train):
+        ax.plot(train[:, 0], train[:, 1], color="0.7", linewidth=0.8, label="train loss")
+    evals = np.array(sorted(probe["eval_curve"]), dtype=float)
+    ax.plot(evals[:, 0], evals[:, 1], marker="o", markersize=4, label="eval loss")
+    ax.axvline(budget_steps, color="tab:green", linestyle="--", linewidth=1, label=f"sweep budget ({budget_steps})")
+    ax.axvline(point["best_step"], color="tab:red", linestyle=":", linewidth=1,
+               label=f"lowest eval loss ({point['best_step']})")
+    ax.set(xlabel="update step", ylabel="loss (nats)", title=f"Overfitting probe: {probe['arm']}, seed {probe['seed']}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=140)
+    plt.close(fig)
+    return path
+
+
+def probe_section(args, probe: dict | None, out: Path, suffix: str) -> tuple[str, dict | None]:
+    """The report's paragraph on the overfitting point, and its summary entry."""
+    s = args.settings
+    spec = probe_spec(args)
+    if probe is None:
+        return (f"Not measured yet: `python utils/depth_sweep.py --overfit_probe` trains the probe ({spec.arm}, seed "
+                f"{spec.seed}, {s['probe_steps']} updates, an eval every {s['probe_eval_every']}).", None)
+    point = overfit_point(probe)
+    png = plot_probe(probe, s["steps"], out / f"overfit_probe{suffix}.png")
+    curve = sorted((int(step), loss) for step, loss in probe["eval_curve"])
+    table = ("| step | " + " | ".join(str(step) for step, _ in curve) + " |\n|---|" + "---|" * len(curve)
+             + "\n| eval loss | " + " | ".join(f"{loss:.3f}" for _, loss in curve) + " |")
+    if point["overfits"]:
+        found = (f"The eval loss is lowest at step **{point['best_step']:,}** ({point['best_loss']:.3f} nats) and "
+                 f"rises after it, to {point['last_loss']:.3f} at step {point['last_step']:,} "
+                 f"(+{point['rise_after_best']:.3f}): the corpus starts to overfit there, at about "
+                 f"{point['best_step'] * s['batch_size'] * s['max_length'] / 1e6:.1f} M tokens.")
+    else:
+        found = (f"The eval loss was still falling at the probe's last eval (step {point['last_step']:,}, "
+                 f"{point['last_loss']:.3f} nats): the corpus does not overfit within {point['last_step']:,} updates "
+                 f"at this depth.")
+    below = point["best_step"] > s["steps"]
+    budget = (f"The sweep's budget of {s['steps']} updates is **{'below' if below else 'NOT below'}** that point"
+              + (f", by a factor of {point['best_step'] / s['steps']:.1f}." if below else "."))
+    text = f"""The probe trains {spec.arm} (seed {spec.seed}) with the sweep's data, batch and learning rate, for
+{point['last_step']:,} updates ({s['probe_warmup']} warmup steps, then cosine to 10% over the whole run), with an eval
+every {s['probe_eval_every']}. Its schedule is longer than the sweep's, as a search for the overfitting point must be.
+
+{table}
+
+{found} {budget}
+
+![overfitting probe]({png.name})"""
+    return text, dict(point, arm=spec.arm, seed=spec.seed, eval_curve=curve, budget_below=below,
+                      train_minutes=round(probe["train_seconds"] / 60, 1))
+
+
 # ------------------------------------------------------------------------------------------------------ report
-def write_report(args, records, skipped, started, argv) -> Path:
+def write_report(args, records, skipped, started, argv, probe: dict | None = None) -> Path:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     s = args.settings
@@ -218,6 +323,7 @@ def write_report(args, records, skipped, started, argv) -> Path:
     predictions = depth_verdicts(args, records)
     gaps = gap_verdicts(args, records)
     suffix = s.get("report_suffix", "")  # an extension sharing the default's folder keeps its own files
+    probe_text, probe_summary = probe_section(args, probe, out, suffix)
     by_depth_png = plot_against_depth(args, records, out / f"measures_vs_depth{suffix}.png")
     gap_png = plot_gap(gaps, depths, out / f"loss_gap_vs_depth{suffix}.png")
     dynamics = {}
@@ -280,6 +386,10 @@ contains zero; **opposite** means it excludes zero the other way.
 "Cheap to remove": removing the layer raises held-out perplexity by less than 1% (ln ratio < {study_lib.CHEAP_REMOVAL_NATS:.5f}).
 Deep = the deeper half of the layers.
 
+## Where the corpus overfits at the deepest setting
+
+{probe_text}
+
 ## Dynamics at the shallowest and the deepest setting
 
 {chr(10).join(f'![dynamics L={d}]({rel(p)})' for d, p in dynamics.items())}
@@ -291,10 +401,11 @@ Deep = the deeper half of the layers.
 - **Budget**: {s['steps']} updates × {s['batch_size']} × {s['max_length']} packed tokens = {tokens / 1e6:.2f} M tokens per
   run at every depth, {tokens / train_tokens:.2f} epochs over the {train_tokens:,}-token training split; Adam, lr 1e-3,
   {s['warmup']} warmup steps then cosine to 10%, clipping 1.0, float32 (on this CPU bf16 products are emulated: see docs/study.md).
-  The budget must stay below the corpus's overfitting point at the deepest setting: the table's last column gives
-  the step of each run's lowest eval loss (a run still improving has it at its last eval). The budget was chosen
-  for time (four depths, three seeds, two hours), then checked against that column; for scale, the reference run
-  quoted in issue 16 (24 layers, hidden 128, the same 16 × 128 batches) began to overfit after about 2,250 steps.
+  The budget was chosen for time (four depths, three seeds, two hours), then checked against the corpus's
+  overfitting point at the deepest setting, measured by the overfitting probe above; the table's last column gives
+  the step of each sweep run's lowest eval loss (a run still improving has it at its last eval). For scale, the
+  reference run quoted in issue 16 (24 layers, hidden 128, the same 16 × 128 batches) began to overfit after about
+  2,250 steps.
 - **Instruments** at steps {', '.join(map(str, study_lib.evenly_spaced_steps(s['steps'], s['dynamics_points'])))}, inside
   the trained context of {s['max_length']} tokens: variance and angular distance over {s['stream_tokens']:,} held-out
   tokens, block Jacobians at {s['jacobian_tokens']} tokens ({'exact' if not s['jacobian_probes'] else
@@ -307,7 +418,7 @@ Deep = the deeper half of the layers.
 Raw numbers: one JSON record per run in `runs/`, and `summary{suffix}.json`.
 """
     summary = dict(budget=args.budget, settings=s, predictions=[v.as_dict() for v in predictions],
-                   gaps=[v.as_dict() for v in gaps], runs=sorted(records),
+                   gaps=[v.as_dict() for v in gaps], overfit_probe=probe_summary, runs=sorted(records),
                    missing=[spec.name for spec in skipped])
     return study_lib.write_report_files(out, text, summary, suffix)
 
@@ -317,7 +428,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     started = time.time()
     records, skipped = study_lib.collect_records(args, run_specs(args))
-    report = write_report(args, records, skipped, started, argv)
+    probe = collect_probe(args)
+    report = write_report(args, records, skipped, started, argv, probe)
     print(f"report: {report}")
     return 0
 

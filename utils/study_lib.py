@@ -54,6 +54,7 @@ class RunSpec:
     seed: int
     train_flags: tuple[str, ...]  # torchrun_main.py flags, without --seed, --save_dir and --run_name
     analyse_steps: tuple[int, ...]  # checkpoints to analyse (the trainer saves each of them)
+    save_every: int | None = None  # checkpoint interval when it is not set by analyse_steps (a long run that resumes)
 
     @property
     def name(self) -> str:
@@ -182,9 +183,9 @@ def write_report_files(out: Path, text: str, summary: dict, suffix: str = "") ->
 
 
 # ------------------------------------------------------------------------------------------------------ one job
-def _run_logged(cmd: list[str], log_path: Path, env: dict) -> int:
+def _run_logged(cmd: list[str], log_path: Path, env: dict, append: bool = False) -> int:
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("w") as log:
+    with log_path.open("a" if append else "w") as log:
         return subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
 
 
@@ -233,21 +234,32 @@ def run_job(spec: RunSpec, settings: AnalysisSettings, runs_dir: Path, records_d
 
     run_dir = runs_dir / spec.name
     flags_file, results_file = run_dir / "study_flags.json", run_dir / "results.json"
-    reuse_training = (not fresh and results_file.is_file() and flags_file.is_file()
-                      and json.loads(flags_file.read_text()) == spec.flags())
+    seconds_file = run_dir / "study_seconds.txt"
+    same_flags = not fresh and flags_file.is_file() and json.loads(flags_file.read_text()) == spec.flags()
+    reuse_training = same_flags and results_file.is_file()
     log_dir = runs_dir / "logs"
     if not reuse_training:
-        if run_dir.exists():
+        from peft_pretraining.args_utils import find_checkpoint
+
+        # an interrupted run with these flags resumes from its last checkpoint; anything else starts over
+        checkpoint = find_checkpoint(str(run_dir)) if same_flags else None
+        earlier_seconds = interrupted_seconds(run_dir) if checkpoint else 0.0
+        if checkpoint is None and run_dir.exists():
             shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if checkpoint:
+            seconds_file.write_text(f"{earlier_seconds:.1f}\n")  # the time so far survives another interruption
+        flags_file.write_text(json.dumps(spec.flags()))  # also marks when this segment started
         started = time.perf_counter()
-        cmd = [sys.executable, "torchrun_main.py", *spec.flags(), "--save_every", str(save_every_for(spec.analyse_steps)),
-               "--save_dir", str(run_dir), "--run_name", f"study-{spec.name}"]
-        code = _run_logged(cmd, log_dir / f"{spec.name}.train.log", env)
+        save_every = spec.save_every or save_every_for(spec.analyse_steps)
+        resume = ["--continue_from", str(run_dir)] if checkpoint else []
+        cmd = [sys.executable, "torchrun_main.py", *spec.flags(), "--save_every", str(save_every),
+               "--save_dir", str(run_dir), "--run_name", f"study-{spec.name}", *resume]
+        code = _run_logged(cmd, log_dir / f"{spec.name}.train.log", env, append=bool(checkpoint))
         if code not in (0, 3):  # 3 = diverged: a result, not a failure
             raise JobFailed(f"training {spec.name} failed ({code}): {' '.join(cmd)}\n"
                             f"{_tail(log_dir / f'{spec.name}.train.log')}")
-        flags_file.write_text(json.dumps(spec.flags()))
-        (run_dir / "study_seconds.txt").write_text(f"{time.perf_counter() - started:.1f}\n")
+        seconds_file.write_text(f"{earlier_seconds + time.perf_counter() - started:.1f}\n")
 
     results = json.loads(results_file.read_text())
     steps = [s for s in spec.analyse_steps if (run_dir / f"model_{s}").is_dir()]
@@ -266,11 +278,21 @@ def run_job(spec: RunSpec, settings: AnalysisSettings, runs_dir: Path, records_d
                   analysis_settings=dataclasses.asdict(settings), status=results["status"],
                   last_step=int(results["step"]), final_eval_loss=results.get("final_eval_loss"),
                   diverged_reason=results.get("diverged_reason"), tokens_seen=results.get("tokens_seen"),
-                  train_seconds=float((run_dir / "study_seconds.txt").read_text()),
+                  train_seconds=float(seconds_file.read_text()),
                   analysis_seconds=round(time.perf_counter() - analysis_started, 1),
                   **curves_from_metrics(run_dir / "metrics.jsonl"), analyses=analyses)
     _write_json_atomic(record_path, record)
     return dict(record, reused="training" if reuse_training else "no")
+
+
+def interrupted_seconds(run_dir: Path) -> float:
+    """Training time already spent in a run folder whose trainer was stopped: from the start of its last segment
+    (study_flags.json is written then) to its last metrics row, plus the segments before it."""
+    metrics, flags = run_dir / "metrics.jsonl", run_dir / "study_flags.json"
+    earlier = float((run_dir / "study_seconds.txt").read_text()) if (run_dir / "study_seconds.txt").is_file() else 0.0
+    if not metrics.is_file():
+        return earlier
+    return earlier + max(0.0, metrics.stat().st_mtime - flags.stat().st_mtime)
 
 
 def curves_from_metrics(metrics_path: Path) -> dict:
