@@ -186,6 +186,10 @@ def test_overfit_point_finds_the_lowest_eval_and_whether_the_loss_rose_after_it(
     assert rising["best_step"] == 500 and rising["overfits"] and rising["rise_after_best"] == pytest.approx(0.3)
     falling = depth_sweep.overfit_point(dict(eval_curve=[[500, 4.6], [250, 5.0]]))  # order does not matter
     assert falling["best_step"] == 500 and not falling["overfits"]
+    flat = depth_sweep.overfit_point(dict(eval_curve=[[250, 5.0], [500, 4.6], [750, 4.601]]))  # under 1% in ppl
+    assert flat["best_step"] == 500 and not flat["overfits"]
+    probe = dict(eval_curve=[[4, 5.0], [8, 4.0]], train_curve=[[1, 6.0], [3, 5.0], [5, 4.0], [7, 3.0], [8, 2.0]])
+    assert depth_sweep.train_loss_between_evals(probe) == [5.5, 3.0]
 
 
 def test_an_interrupted_run_resumes_from_its_last_checkpoint(tmp_path):

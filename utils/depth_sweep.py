@@ -146,14 +146,29 @@ def collect_probe(args) -> dict | None:
     return records.get(spec.name)
 
 
+# The probe counts the corpus as overfitting once eval perplexity rises by more than 1% after its lowest point;
+# a smaller rise is a flat curve (late in a cosine schedule the loss moves by thousandths of a nat).
+OVERFIT_RISE_NATS = math.log(1.01)
+
+
 def overfit_point(probe: dict) -> dict:
-    """Where the probe's eval loss is lowest, and whether it rose after that (the corpus overfits) or the run
-    ended still improving (the point lies beyond the probe)."""
+    """Where the probe's eval loss is lowest, and whether it rose by more than OVERFIT_RISE_NATS after that (the
+    corpus overfits) or not (still improving, or flat at the end: the point lies at or beyond the probe's end)."""
     curve = sorted((int(step), loss) for step, loss in probe["eval_curve"])
     best_step, best_loss = min(curve, key=lambda point: point[1])
-    last_step, last_loss = curve[-1]
-    return dict(best_step=best_step, best_loss=best_loss, last_step=last_step, last_loss=last_loss,
-                overfits=best_step < last_step, rise_after_best=last_loss - best_loss)
+    highest_after = max(loss for step, loss in curve if step >= best_step)
+    return dict(best_step=best_step, best_loss=best_loss, last_step=curve[-1][0], last_loss=curve[-1][1],
+                rise_after_best=highest_after - best_loss, overfits=highest_after - best_loss > OVERFIT_RISE_NATS)
+
+
+def train_loss_between_evals(probe: dict) -> list[float | None]:
+    """For each eval, the mean logged training loss since the eval before it (the generalisation gap's other side)."""
+    steps = [0] + sorted(int(step) for step, _ in probe["eval_curve"])
+    means = []
+    for start, end in zip(steps, steps[1:]):
+        losses = [loss for step, loss in probe["train_curve"] if start < step <= end]
+        means.append(float(np.mean(losses)) if losses else None)
+    return means
 
 
 # ------------------------------------------------------------------------------------------------------ statistics
@@ -287,23 +302,36 @@ def probe_section(args, probe: dict | None, out: Path, suffix: str) -> tuple[str
     point = overfit_point(probe)
     png = plot_probe(probe, s["steps"], out / f"overfit_probe{suffix}.png")
     curve = sorted((int(step), loss) for step, loss in probe["eval_curve"])
+    train = train_loss_between_evals(probe)
     table = ("| step | " + " | ".join(str(step) for step, _ in curve) + " |\n|---|" + "---|" * len(curve)
-             + "\n| eval loss | " + " | ".join(f"{loss:.3f}" for _, loss in curve) + " |")
+             + "\n| eval loss | " + " | ".join(f"{loss:.3f}" for _, loss in curve) + " |"
+             + "\n| train loss, mean since the eval before | "
+             + " | ".join("n/a" if t is None else f"{t:.3f}" for t in train) + " |")
+    tokens = point["best_step"] * s["batch_size"] * s["max_length"] / 1e6
+    epochs = point["best_step"] * s["batch_size"] * s["max_length"] / study_lib.embedded_train_tokens()
     if point["overfits"]:
-        found = (f"The eval loss is lowest at step **{point['best_step']:,}** ({point['best_loss']:.3f} nats) and "
-                 f"rises after it, to {point['last_loss']:.3f} at step {point['last_step']:,} "
-                 f"(+{point['rise_after_best']:.3f}): the corpus starts to overfit there, at about "
-                 f"{point['best_step'] * s['batch_size'] * s['max_length'] / 1e6:.1f} M tokens.")
-    else:
+        found = (f"The eval loss is lowest at step **{point['best_step']:,}** ({point['best_loss']:.3f} nats, "
+                 f"{tokens:.1f} M tokens, {epochs:.1f} epochs) and rises by {point['rise_after_best']:.3f} nats "
+                 f"after it, more than the 1% in perplexity ({OVERFIT_RISE_NATS:.4f} nats) counted as a rise: the "
+                 "corpus starts to overfit there.")
+    elif point["best_step"] == point["last_step"]:
         found = (f"The eval loss was still falling at the probe's last eval (step {point['last_step']:,}, "
                  f"{point['last_loss']:.3f} nats): the corpus does not overfit within {point['last_step']:,} updates "
-                 f"at this depth.")
+                 "at this depth.")
+    else:
+        found = (f"The eval loss is lowest at step **{point['best_step']:,}** ({point['best_loss']:.3f} nats, "
+                 f"{tokens:.1f} M tokens, {epochs:.1f} epochs) and rises by only {point['rise_after_best']:.3f} "
+                 f"nats after it, less than the 1% in perplexity ({OVERFIT_RISE_NATS:.4f} nats) counted as a rise: "
+                 f"the curve flattens as the learning rate decays, and no overfitting shows within "
+                 f"{point['last_step']:,} updates. The point lies at or beyond step {point['best_step']:,}.")
     below = point["best_step"] > s["steps"]
-    budget = (f"The sweep's budget of {s['steps']} updates is **{'below' if below else 'NOT below'}** that point"
+    budget = (f"The sweep's budget of {s['steps']} updates is **{'below' if below else 'NOT below'}** that step"
               + (f", by a factor of {point['best_step'] / s['steps']:.1f}." if below else "."))
     text = f"""The probe trains {spec.arm} (seed {spec.seed}) with the sweep's data, batch and learning rate, for
 {point['last_step']:,} updates ({s['probe_warmup']} warmup steps, then cosine to 10% over the whole run), with an eval
 every {s['probe_eval_every']}. Its schedule is longer than the sweep's, as a search for the overfitting point must be.
+The gap between the training and the eval loss measures how much of the corpus the model has memorised; the eval
+loss turning up is the overfitting point itself.
 
 {table}
 
