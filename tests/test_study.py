@@ -234,3 +234,22 @@ def test_one_seed_pairs_are_judged_over_held_out_documents():
     # A run analysed before per-document values existed keeps the one-seed "not measurable".
     del records["lns_bf16-seed1"]["analyses"]["4"]["removal_document_costs"]
     assert compare_norms.pair_verdicts(records, "pre_bf16", "lns_bf16")[0].status == verdicts.NOT_MEASURABLE
+
+
+def test_per_arm_table_sets_every_arm_against_pre_ln_and_lns():
+    def record(arm, seed, loss, document_nats):
+        analysis = dict(crafted_analysis(), removal_document_nats=document_nats,
+                        removal_document_costs=[[0.01] * len(document_nats)] * 8)
+        return dict(arm=arm, seed=seed, status="finished", final_eval_loss=loss, eval_curve=[[4, loss]],
+                    analyses={"4": analysis})
+
+    nats = [5.0, 5.2, 4.9, 5.1, 5.3, 5.0]
+    records = {f"{arm}-seed{seed}": record(arm, seed, loss + 0.01 * seed, [n + loss - 5 for n in nats])
+               for arm, loss in (("pre", 5.0), ("lns", 4.8)) for seed in (1, 2, 3)}
+    records["skipinit-seed1"] = record("skipinit", 1, 4.5, [n - 0.5 for n in nats])  # one seed: over documents
+    arms = [compare_norms.ARM_BY_NAME[name] for name in ("pre", "lns", "skipinit")]
+    header, _, pre, lns, skipinit = compare_norms.per_arm_table(records, arms).splitlines()
+    assert "eval loss − Pre-LN" in header and "eval loss − LNS" in header
+    assert "-0.2000" in lns and "3/3 (reproduced)" in lns  # LNS against Pre-LN, over seeds
+    assert skipinit.count("documents (reproduced)") == 2  # against Pre-LN (-0.5) and LNS (-0.3), over documents
+    assert "-0.5000" in skipinit and "-0.3000" in skipinit

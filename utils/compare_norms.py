@@ -215,26 +215,32 @@ def verdict_lines(found: list[verdicts.Verdict]) -> str:
     return "\n".join(f"- {v.line()}" for v in found)
 
 
-def loss_vs_pre_rows(records, arms: list[Arm]) -> tuple[list[str], list[verdicts.Verdict]]:
-    """One table row per arm: eval loss and deep-layer measures, and the paired effect against Pre-LN."""
-    rows, found = [], []
+def per_arm_table(records, arms: list[Arm]) -> str:
+    """One row per arm: eval loss, its paired effect against Pre-LN and against LNS, and the deep-layer measures."""
+    references = [name for name in ("pre", "lns") if any(r["arm"] == name for r in records.values())]
+    rows = []
     for arm in arms:
         per_seed = values(records, arm.name, "eval_loss")
         finished = [v for v in per_seed.values() if v is not None]
         diverged = sum(1 for r in records.values() if r["arm"] == arm.name and r["status"] != "finished")
         cells = [arm.label, f"{sum(finished) / len(finished):.4f}" if finished else "n/a",
                  f"{len(finished)}/{len(per_seed)}" + (f" ({diverged} diverged)" if diverged else "")]
-        if arm.name != "pre":
-            v = loss_verdict(records, "pre", arm.name, f"{arm.label} reaches a lower eval loss than Pre-LN")
-            found.append(v)
-            cells.append(effect_text(v))
-        else:
-            cells.append("(reference)")
+        for reference in references:
+            if arm.name == reference:
+                cells.append("(reference)")
+            elif reference == "lns" and arm.name == "pre":
+                cells.append("(see LNS against Pre-LN)")
+            else:
+                label = ARM_BY_NAME[reference].label
+                cells.append(effect_text(loss_verdict(records, reference, arm.name,
+                                                      f"{arm.label} reaches a lower eval loss than {label}")))
         for measure in ("angular_deep", "removal_deep", "jacobian_deep", "variance_growth"):
             measured = [x for x in values(records, arm.name, measure).values() if x is not None]
             cells.append(f"{sum(measured) / len(measured):.4f}" if measured else "n/a")
         rows.append("| " + " | ".join(cells) + " |")
-    return rows, found
+    against = " | ".join(f"eval loss − {ARM_BY_NAME[r].label} [95% CI], agreeing" for r in references)
+    return (f"| arm | eval loss (mean) | finished/seeds | {against} | deep d(l,l+1) | deep removal cost | deep J dev | "
+            "variance growth |\n|" + "---|" * (7 + len(references)) + "\n" + "\n".join(rows))
 
 
 def one_seed_differences(records, pre: str, lns: str) -> list[float | None]:
@@ -335,10 +341,7 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
     table_arms = [a for a in arms if a.name in present and a.group in ("core", "norms", "rivals")]
     table = ""
     if "pre" in present:
-        rows, _ = loss_vs_pre_rows(records, table_arms)
-        table = ("| arm | eval loss (mean) | finished/seeds | eval loss − Pre-LN [95% CI], seeds agreeing | "
-                 "deep d(l,l+1) | deep removal cost | deep J dev | variance growth |\n|---|---|---|---|---|---|---|---|\n"
-                 + "\n".join(rows))
+        table = per_arm_table(records, table_arms)
     if {"pre_embed_ref", "lns_embed_ref", "pre", "lns"} <= present:
         gap_ref = verdicts.judge_seeds("LNS reaches a lower eval loss than Pre-LN with the reference's embedding "
                                        "std 0.632", -1, values(records, "pre_embed_ref", "eval_loss"),
@@ -392,7 +395,8 @@ both models (negative costs) is never counted as reproduced.
 Deep = the deeper half of the layers. Removal cost = ln(perplexity without the layer / with it) on
 {s['removal_documents']} held-out documents, nats per word. An effect counted in documents comes from an arm with one
 seed: it is the held-out novel's loss per word (not the trainer's eval loss per token), with a bootstrap interval over
-the documents, which holds the documents' noise and not the seed's.
+the documents, which holds the documents' noise and not the seed's. In the "against" columns, **reproduced** means the
+arm's loss is lower than the reference's with an interval that excludes zero, **opposite** that it is higher.
 
 ## Dynamics and per-layer profiles
 
