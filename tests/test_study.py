@@ -236,7 +236,7 @@ def test_one_seed_pairs_are_judged_over_held_out_documents():
     assert compare_norms.pair_verdicts(records, "pre_bf16", "lns_bf16")[0].status == verdicts.NOT_MEASURABLE
 
 
-def test_per_arm_table_sets_every_arm_against_pre_ln_and_lns():
+def test_per_arm_table_sets_every_arm_against_pre_ln_and_lns(tmp_path):
     def record(arm, seed, loss, document_nats):
         analysis = dict(crafted_analysis(), removal_document_nats=document_nats,
                         removal_document_costs=[[0.01] * len(document_nats)] * 8)
@@ -253,3 +253,4 @@ def test_per_arm_table_sets_every_arm_against_pre_ln_and_lns():
     assert "-0.2000" in lns and "3/3 (reproduced)" in lns  # LNS against Pre-LN, over seeds
     assert skipinit.count("documents (reproduced)") == 2  # against Pre-LN (-0.5) and LNS (-0.3), over documents
     assert "-0.5000" in skipinit and "-0.3000" in skipinit
+    assert compare_norms.plot_per_arm(records, arms, tmp_path / "per_arm.png").stat().st_size > 1000

@@ -243,6 +243,35 @@ def per_arm_table(records, arms: list[Arm]) -> str:
             "variance growth |\n|" + "---|" * (7 + len(references)) + "\n" + "\n".join(rows))
 
 
+def plot_per_arm(records, arms: list[Arm], path: Path) -> Path:
+    """Each arm's eval loss and deep-layer measures at its last checkpoint: one dot per seed, a bar at the mean."""
+    plt = study_lib.pyplot()
+    measures = [("eval_loss", "eval loss (nats/token)"), ("angular_deep", "deep d(l, l+1)"),
+                ("removal_deep", "deep removal cost (nats/word)"), ("jacobian_deep", "deep ‖J − I‖/√d")]
+    fig, axes = plt.subplots(1, len(measures), figsize=(3.6 * len(measures), 0.9 + 0.32 * len(arms)), sharey=True)
+    rows = range(len(arms))
+    for ax, (measure, title) in zip(axes, measures):
+        for row, arm in zip(rows, arms):
+            seeds = [v for v in values(records, arm.name, measure).values() if v is not None and math.isfinite(v)]
+            if not seeds:
+                continue
+            color = "tab:blue" if arm.name in ("pre", "lns") else "0.6"
+            if measure == "eval_loss":  # no bar: the losses differ by tenths of a nat on a scale that starts near 5
+                ax.plot(sum(seeds) / len(seeds), row, "|", color=color, markersize=14, markeredgewidth=2.5)
+            else:
+                ax.barh(row, sum(seeds) / len(seeds), color=color, height=0.6)
+            ax.plot(seeds, [row] * len(seeds), "k.", markersize=4)
+        ax.set_title(title, fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks(list(rows), [arm.label for arm in arms], fontsize=8)
+    axes[0].invert_yaxis()
+    fig.suptitle("Every arm at its last checkpoint (bar or tick: mean over seeds; dots: seeds)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
 def one_seed_differences(records, pre: str, lns: str) -> list[float | None]:
     """Per claim of pair_verdicts, LNS minus Pre-LN (a log ratio where the claim uses one) when exactly one seed
     pairs the two arms: a point estimate with no interval, so that a one-seed arm still shows its sign."""
@@ -315,10 +344,11 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
     labels = {a.name: a.label for a in arms}
     present = {a.name for a in arms if any(r["arm"] == a.name for r in records.values())}
     core = {n: labels[n] for n in ("pre", "lns", "pre_bf16", "lns_bf16") if n in present}
+    suffix = s.get("report_suffix", "")  # an extension sharing the default's folder keeps its own figures
     figures = {}
     if core:
-        figures["dynamics"] = study_lib.plot_dynamics(records, core, out / "dynamics.png")
-        figures["profiles"] = study_lib.plot_layer_profiles(records, core, out / "layer_profiles.png")
+        figures["dynamics"] = study_lib.plot_dynamics(records, core, out / f"dynamics{suffix}.png")
+        figures["profiles"] = study_lib.plot_layer_profiles(records, core, out / f"layer_profiles{suffix}.png")
     sections = []
     all_verdicts = {}
     if {"pre", "lns"} <= present:
@@ -341,7 +371,8 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
     table_arms = [a for a in arms if a.name in present and a.group in ("core", "norms", "rivals")]
     table = ""
     if "pre" in present:
-        table = per_arm_table(records, table_arms)
+        png = plot_per_arm(records, table_arms, out / f"per_arm{suffix}.png")
+        table = per_arm_table(records, table_arms) + f"\n\n![every arm]({png.name})"
     if {"pre_embed_ref", "lns_embed_ref", "pre", "lns"} <= present:
         gap_ref = verdicts.judge_seeds("LNS reaches a lower eval loss than Pre-LN with the reference's embedding "
                                        "std 0.632", -1, values(records, "pre_embed_ref", "eval_loss"),
@@ -438,7 +469,7 @@ Raw numbers: one JSON record per run in `runs/` (flags, eval curve, every analys
     summary = dict(budget=args.budget, settings=s, verdicts={k: [v.as_dict() for v in vs]
                                                              for k, vs in all_verdicts.items()},
                    runs=sorted(records), missing=[spec.name for spec in skipped])
-    return study_lib.write_report_files(out, text, summary, s.get("report_suffix", ""))
+    return study_lib.write_report_files(out, text, summary, suffix)
 
 
 def main(argv=None) -> int:
