@@ -244,7 +244,8 @@ def per_arm_table(records, arms: list[Arm]) -> str:
 
 
 def plot_per_arm(records, arms: list[Arm], path: Path) -> Path:
-    """Each arm's eval loss and deep-layer measures at its last checkpoint: one dot per seed, a bar at the mean."""
+    """Each arm's eval loss and deep-layer measures at its last checkpoint: a dot per seed, a bar (a tick for the loss)
+    at the mean."""
     plt = study_lib.pyplot()
     measures = [("eval_loss", "eval loss (nats/token)"), ("angular_deep", "deep d(l, l+1)"),
                 ("removal_deep", "deep removal cost (nats/word)"), ("jacobian_deep", "deep ‖J − I‖/√d")]
