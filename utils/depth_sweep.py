@@ -139,7 +139,7 @@ def probe_spec(args) -> RunSpec:
 def collect_probe(args) -> dict | None:
     """The probe's record: trained with --overfit_probe (unless --report_only), otherwise read back if present."""
     spec = probe_spec(args)
-    if args.overfit_probe and not args.report_only:
+    if args.overfit_probe:  # collect_records only reads records back under --report_only
         records, _ = study_lib.collect_records(args, [spec])
     else:
         records = study_lib.load_records([spec], study_lib.analysis_settings(args.settings), args.out / "runs")
@@ -157,7 +157,8 @@ def overfit_point(probe: dict) -> dict:
     curve = sorted((int(step), loss) for step, loss in probe["eval_curve"])
     best_step, best_loss = min(curve, key=lambda point: point[1])
     highest_after = max(loss for step, loss in curve if step >= best_step)
-    return dict(best_step=best_step, best_loss=best_loss, last_step=curve[-1][0], last_loss=curve[-1][1],
+    return dict(eval_curve=curve, best_step=best_step, best_loss=best_loss, last_step=curve[-1][0],
+                last_loss=curve[-1][1],
                 rise_after_best=highest_after - best_loss, overfits=highest_after - best_loss > OVERFIT_RISE_NATS)
 
 
@@ -278,7 +279,7 @@ def plot_probe(probe: dict, budget_steps: int, path: Path) -> Path:
     train = np.array(probe["train_curve"], dtype=float)
     if len(train):
         ax.plot(train[:, 0], train[:, 1], color="0.7", linewidth=0.8, label="train loss")
-    evals = np.array(sorted(probe["eval_curve"]), dtype=float)
+    evals = np.array(point["eval_curve"], dtype=float)
     ax.plot(evals[:, 0], evals[:, 1], marker="o", markersize=4, label="eval loss")
     ax.axvline(budget_steps, color="tab:green", linestyle="--", linewidth=1, label=f"sweep budget ({budget_steps})")
     ax.axvline(point["best_step"], color="tab:red", linestyle=":", linewidth=1,
@@ -301,14 +302,14 @@ def probe_section(args, probe: dict | None, out: Path, suffix: str) -> tuple[str
                 f"{spec.seed}, {s['probe_steps']} updates, an eval every {s['probe_eval_every']}).", None)
     point = overfit_point(probe)
     png = plot_probe(probe, s["steps"], out / f"overfit_probe{suffix}.png")
-    curve = sorted((int(step), loss) for step, loss in probe["eval_curve"])
+    curve = point["eval_curve"]
     train = train_loss_between_evals(probe)
     table = ("| step | " + " | ".join(str(step) for step, _ in curve) + " |\n|---|" + "---|" * len(curve)
              + "\n| eval loss | " + " | ".join(f"{loss:.3f}" for _, loss in curve) + " |"
              + "\n| train loss, mean since the eval before | "
              + " | ".join("n/a" if t is None else f"{t:.3f}" for t in train) + " |")
-    tokens = point["best_step"] * s["batch_size"] * s["max_length"] / 1e6
-    epochs = point["best_step"] * s["batch_size"] * s["max_length"] / study_lib.embedded_train_tokens()
+    tokens_to_best = point["best_step"] * s["batch_size"] * s["max_length"]
+    tokens, epochs = tokens_to_best / 1e6, tokens_to_best / study_lib.embedded_train_tokens()
     if point["overfits"]:
         found = (f"The eval loss is lowest at step **{point['best_step']:,}** ({point['best_loss']:.3f} nats, "
                  f"{tokens:.1f} M tokens, {epochs:.1f} epochs) and rises by {point['rise_after_best']:.3f} nats "
@@ -338,7 +339,7 @@ loss turning up is the overfitting point itself.
 {found} {budget}
 
 ![overfitting probe]({png.name})"""
-    return text, dict(point, arm=spec.arm, seed=spec.seed, eval_curve=curve, budget_below=below,
+    return text, dict(point, arm=spec.arm, seed=spec.seed, budget_below=below,
                       train_minutes=round(probe["train_seconds"] / 60, 1))
 
 
