@@ -14,7 +14,7 @@ of the paper's depth predictions the report gives a verdict: the per-seed slope 
 
 The token budget must stay below the point where the corpus starts to overfit at the deepest depth. The overfitting
 probe measures that point: one LNS run at the deepest depth, trained for many more updates with frequent evals (about
-an hour at L=48 on one core). It checkpoints as it goes and resumes where an interrupted invocation stopped.
+80 minutes at L=48 on one core). It checkpoints as it goes and resumes where an interrupted invocation stopped.
 """
 from __future__ import annotations
 
@@ -69,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     study_lib.add_study_arguments(parser, BUDGETS)
     parser.add_argument("--depths", nargs="+", type=int, default=None, help="override the budget's depths")
     parser.add_argument("--overfit_probe", action="store_true",
-                        help="also train the overfitting probe (one long LNS run at the deepest depth; about an hour "
-                             "at L=48); without it the report uses the probe's record when there is one")
+                        help="also train the overfitting probe (one long LNS run at the deepest depth; about 80 "
+                             "minutes at L=48); without it the report uses the probe's record when there is one")
     return parser
 
 
