@@ -4,8 +4,10 @@ import json
 import math
 import os
 import shutil
+import threading
 
 import pytest
+import tqdm.auto
 
 from utils import compare_norms, depth_sweep, study_lib, verdicts
 
@@ -73,6 +75,48 @@ def test_record_matches_only_identical_flags_and_settings():
     assert not study_lib.record_matches(record, study_lib.RunSpec("pre", 1, ("--lr", "2e-3"), (2, 4)), settings)
     assert not study_lib.record_matches(record, spec, study_lib.AnalysisSettings(64, 20, 2, 0, 2))
     assert not study_lib.record_matches(dict(record, analyses={"4": {}}), spec, settings)
+
+
+def test_run_jobs_counts_reused_records_at_once_and_returns_spec_order(tmp_path, monkeypatch):
+    """A reused record finishes at once and counts on the bar while an earlier-submitted run still trains; the
+    records and the deadline's skips come back in spec order whatever order the jobs finished in."""
+    release = threading.Event()
+    finished = []
+
+    def fake_run_job(spec, *args):
+        if spec.arm == "slow":
+            assert release.wait(10), "the bar did not count the reused record while a run was still training"
+        elif spec.arm == "late":
+            raise study_lib.PastDeadline()
+        finished.append(spec.name)
+        return {"name": spec.name}
+
+    bar_counts = []  # what had finished at each tick of the progress bar
+
+    class RecordingBar:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, n):
+            bar_counts.append(list(finished))
+            if "reused-seed1" in finished:
+                release.set()  # the slow run ends only after the bar has counted the reused record
+
+    monkeypatch.setattr(study_lib, "run_job", fake_run_job)
+    monkeypatch.setattr(tqdm.auto, "tqdm", RecordingBar)
+    specs = [study_lib.RunSpec(arm, 1, (), (1,)) for arm in ("slow", "late", "reused")]
+    settings = study_lib.AnalysisSettings(8, 8, 1, 0, 1)
+    records, skipped = study_lib.run_jobs(specs, settings, tmp_path, tmp_path, jobs=3)
+    assert finished == ["reused-seed1", "slow-seed1"]
+    assert ["reused-seed1"] in bar_counts and len(bar_counts) == 3
+    assert list(records) == ["slow-seed1", "reused-seed1"]
+    assert [spec.name for spec in skipped] == ["late-seed1"]
 
 
 def test_compare_norms_budgets_give_each_group_its_seeds():

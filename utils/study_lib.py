@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import numpy as np
@@ -321,9 +321,10 @@ def run_jobs(specs: list[RunSpec], settings: AnalysisSettings, runs_dir: Path, r
     records, skipped, failures = {}, [], []
     with ThreadPoolExecutor(max_workers=jobs) as pool, \
             tqdm(total=len(specs), desc="runs (train + analyse)", unit="run", dynamic_ncols=True) as bar:
-        futures = {spec: pool.submit(run_job, spec, settings, runs_dir, records_dir, env, fresh, deadline)
+        futures = {pool.submit(run_job, spec, settings, runs_dir, records_dir, env, fresh, deadline): spec
                    for spec in specs}
-        for spec, future in futures.items():
+        for future in as_completed(futures):  # the bar counts reused records at once, not in submission order
+            spec = futures[future]
             try:
                 records[spec.name] = future.result()
             except PastDeadline:
@@ -335,7 +336,9 @@ def run_jobs(specs: list[RunSpec], settings: AnalysisSettings, runs_dir: Path, r
     if failures:
         raise SystemExit(f"{len(failures)} of {len(specs)} runs failed; the others' records are saved:\n"
                          + "\n\n".join(failures))
-    return records, skipped
+    order = {spec.name: i for i, spec in enumerate(specs)}  # reports read records in spec order, as before
+    return (dict(sorted(records.items(), key=lambda item: order[item[0]])),
+            sorted(skipped, key=lambda spec: order[spec.name]))
 
 
 def load_records(specs: list[RunSpec], settings: AnalysisSettings, records_dir: Path) -> dict[str, dict]:
