@@ -421,7 +421,7 @@ def _make_source(*, dataset: str, dataset_path: str | None, split: str, seed: in
 # ----------------------------------------------------------------------------------------------------------------
 # Tokenization (optionally in DataLoader workers) and batching
 # ----------------------------------------------------------------------------------------------------------------
-def _tokenize_documents(tokenizer, texts: list[str], max_length: int, packing: bool) -> list[np.ndarray]:
+def tokenize_documents(tokenizer, texts: list[str], max_length: int, packing: bool) -> list[np.ndarray]:
     """Each document -> its ids followed by EOS; with padding, truncated so that ids + EOS fit in max_length."""
     eos = tokenizer.eos_token_id
     if packing:
@@ -464,7 +464,7 @@ class _TokenizedChunks(torch.utils.data.IterableDataset):
 
     def _emit(self, chunk_id, worker, num_workers, epoch, first, texts):
         if chunk_id % num_workers == worker:
-            yield epoch, first, _tokenize_documents(self.tokenizer, texts, self.max_length, self.packing)
+            yield epoch, first, tokenize_documents(self.tokenizer, texts, self.max_length, self.packing)
 
 
 class _LaneChunks(torch.utils.data.IterableDataset):
@@ -503,7 +503,7 @@ class _LaneChunks(torch.utils.data.IterableDataset):
 
     def _tokenize(self, pairs):
         """Token arrays, each with its document's lane epoch."""
-        arrays = _tokenize_documents(self.tokenizer, [text for _, text in pairs], self.max_length, self.packing)
+        arrays = tokenize_documents(self.tokenizer, [text for _, text in pairs], self.max_length, self.packing)
         return [(tokens, state["epoch"]) for tokens, (state, _) in zip(arrays, pairs)]
 
 
@@ -715,7 +715,7 @@ def _eval_rows(source, tokenizer, max_length: int, packing: bool) -> Iterator[np
         chunk = [text for _, text in zip(range(CHUNK_DOCUMENTS), texts)]
         if not chunk:
             break
-        arrays = _tokenize_documents(tokenizer, chunk, max_length, packing)
+        arrays = tokenize_documents(tokenizer, chunk, max_length, packing)
         if not packing:
             yield from arrays
             continue

@@ -624,11 +624,12 @@ def machine_description() -> str:
 
 
 def embedded_train_tokens() -> int:
-    """Tokens in the embedded training split, EOS included (what one epoch of --packing reads)."""
-    from peft_pretraining.dataloader import embedded_split_path, load_tokenizer, read_jsonl_texts
+    """Tokens in the embedded training split, EOS included (what one epoch of --packing reads, tokenized as the
+    trainer does)."""
+    from peft_pretraining.dataloader import embedded_split_path, load_tokenizer, read_jsonl_texts, tokenize_documents
 
-    tokenizer = load_tokenizer("embedded")
-    return sum(len(tokenizer(text)["input_ids"]) + 1 for text in read_jsonl_texts(embedded_split_path("train")))
+    texts = list(read_jsonl_texts(embedded_split_path("train")))
+    return sum(len(ids) for ids in tokenize_documents(load_tokenizer("embedded"), texts, max_length=0, packing=True))
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "analyse":
