@@ -336,9 +336,9 @@ def run_jobs(specs: list[RunSpec], settings: AnalysisSettings, runs_dir: Path, r
     if failures:
         raise SystemExit(f"{len(failures)} of {len(specs)} runs failed; the others' records are saved:\n"
                          + "\n\n".join(failures))
-    order = {spec.name: i for i, spec in enumerate(specs)}  # reports read records in spec order, as before
-    return (dict(sorted(records.items(), key=lambda item: order[item[0]])),
-            sorted(skipped, key=lambda spec: order[spec.name]))
+    # reports read records in spec order, as before, whatever order the jobs finished in
+    return ({spec.name: records[spec.name] for spec in specs if spec.name in records},
+            [spec for spec in specs if spec in skipped])
 
 
 def load_records(specs: list[RunSpec], settings: AnalysisSettings, records_dir: Path) -> dict[str, dict]:
