@@ -333,6 +333,7 @@ def run_jobs(specs: list[RunSpec], settings: AnalysisSettings, runs_dir: Path, r
                 failures.append(str(err))
                 tqdm.write(f"FAILED: {err}")
             bar.update(1)
+            bar.refresh()  # update() alone skips redraws within mininterval, hiding records reused at once
     if failures:
         raise SystemExit(f"{len(failures)} of {len(specs)} runs failed; the others' records are saved:\n"
                          + "\n\n".join(failures))
