@@ -23,3 +23,41 @@ def test_bad_flags_exit_2(flag, value, tmp_path, capsys):
         benchmark_model.main([flag, value, "--out", str(tmp_path)])
     assert exit_info.value.code == 2 and flag in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_trainer_runs_with_the_study_flags(tmp_path, monkeypatch):
+    """The trainer section times what the study runs: every flag of the study's Pre-LN run (packing, dtype, batch,
+    optimizer...) except the budget flags the benchmark sets itself."""
+    commands = []
+    real_run = benchmark_model.subprocess.run
+
+    def recording_run(cmd, *args, **kwargs):
+        if cmd[:2] != [benchmark_model.sys.executable, "torchrun_main.py"]:
+            return real_run(cmd, *args, **kwargs)  # git archive
+        commands.append(cmd)
+        save_dir = benchmark_model.Path(cmd[cmd.index("--save_dir") + 1])
+        save_dir.mkdir(parents=True)
+        (save_dir / "metrics.jsonl").write_text("".join(json.dumps({"tokens_per_s": 100.0 + i}) + "\n"
+                                                        for i in range(4)))
+        return benchmark_model.subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(benchmark_model.subprocess, "run", recording_run)
+    benchmark_model.main(["--sections", "trainer", "--before", "HEAD", "--trainer_repeats", "1", "--trainer_steps",
+                          "4", "--trainer_warmup", "1", "--trainer_variants", "eager", "--out", str(tmp_path)])
+    study = benchmark_model.study_trainer_flags()
+    assert "--packing" in study and len(commands) == 2  # before and after
+    for cmd in commands:
+        flags = cmd[2:]
+        assert benchmark_model.without_flags(flags, benchmark_model.BENCHMARK_FLAGS) == \
+            benchmark_model.without_flags(study, benchmark_model.BENCHMARK_FLAGS)
+        assert benchmark_model.flag_value(flags, "--dtype") == benchmark_model.flag_value(study, "--dtype")
+        assert benchmark_model.flag_value(flags, "--model_config") == benchmark_model.STUDY_CONFIG
+    rows = json.loads((tmp_path / "benchmark.json").read_text())["trainer"]
+    assert [row["tokens_per_s_median"] for row in rows] == [102.0, 102.0]  # median of 101, 102, 103
+
+
+def test_quick_trainer_benchmark_runs_the_real_trainer(tmp_path):
+    benchmark_model.main(["--quick", "--sections", "trainer", "--before", "HEAD", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "benchmark.json").read_text())["trainer"]
+    assert {row["tree"] for row in rows} == {"before", "after"}
+    assert all(row["tokens_per_s_median"] > 0 for row in rows)

@@ -3,10 +3,10 @@
 Two sections, both printing the median and the spread (min-max) of every figure:
 
 * model: one step = forward + loss + backward + grad clipping 1.0 + fused Adam, on random tokens (no padding).
-  Each model runs eager and through torch.compile, in fp32 and under bf16 autocast with fp32 weights ("mixed", the
-  study's dtype). All variants of one (config, dtype) live in one process and are timed in interleaved repeats, so
+  Each model runs eager and through torch.compile, in fp32 and under bf16 autocast with fp32 weights ("mixed"). All variants of one (config, dtype) live in one process and are timed in interleaved repeats, so
   drifts in machine load hit them alike. "before" is `peft_pretraining/modeling_llama.py` read from `--before`.
-* trainer: the real `torchrun_main.py` on the embedded corpus at the study's flags (data loading included), the
+* trainer: the real `torchrun_main.py` on the embedded corpus with the CPU study's own flags (its Pre-LN seed-1 run
+  of `utils/compare_norms.py`, dtype and packing included; data loading included) but a short budget, the
   current tree against the tree of `--before` (extracted with `git archive`), runs alternating before/after; the
   figure is the median of the per-update tokens_per_s in metrics.jsonl after the first `--trainer_warmup` updates.
 
@@ -48,10 +48,9 @@ STUDY_CONFIG = "configs/llama_tiny_deep.json"
 MODELS = ("ours", "before", "hf")
 DTYPES = ("float32", "mixed")
 TRAINER_VARIANTS = {"eager": [], "compile": ["--compile"]}
-# The study's trainer flags (utils/compare_norms.py), minus the budget.
-STUDY_FLAGS = ["--dataset", "embedded", "--tokenizer", "embedded", "--max_length", "128", "--batch_size", "16",
-               "--total_batch_size", "16", "--lr", "1e-3", "--warmup_steps", "2", "--grad_clipping", "1.0",
-               "--weight_decay", "0", "--optimizer", "adam", "--workers", "0", "--device", "cpu", "--seed", "1"]
+# Flags the benchmark sets itself; every other trainer flag is the study's (study_trainer_flags).
+BENCHMARK_FLAGS = ("--model_config", "--dtype", "--num_training_steps", "--warmup_steps", "--eval_every",
+                   "--eval_tokens", "--save_every", "--save_dir")
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -160,6 +159,30 @@ def model_section(args, before_module) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------------- trainer section
+def study_trainer_flags() -> list[str]:
+    """The flags of the CPU study's Pre-LN seed-1 run (default budget), read from compare_norms so they cannot drift."""
+    from utils import compare_norms
+
+    study_args = compare_norms.parse_args(["--arms", "pre", "--seeds", "1"])
+    return list(compare_norms.run_specs(study_args, compare_norms.study_arms(study_args))[0].flags())
+
+
+def without_flags(flags: list[str], names) -> list[str]:
+    """`flags` minus each flag in `names` and its value (each of `names` takes exactly one value)."""
+    kept, i = [], 0
+    while i < len(flags):
+        if flags[i] in names:
+            i += 2
+            continue
+        kept.append(flags[i])
+        i += 1
+    return kept
+
+
+def flag_value(flags: list[str], name: str) -> str:
+    return flags[flags.index(name) + 1]
+
+
 def extract_revision(revision: str) -> Path:
     target = Path(tempfile.mkdtemp(prefix="trainer_before_"))
     archive = subprocess.run(["git", "archive", "--format=tar", revision], cwd=REPO, capture_output=True,
@@ -172,10 +195,10 @@ def extract_revision(revision: str) -> Path:
 
 
 def run_trainer(tree: Path, args, extra_flags: list[str], out_dir: Path) -> dict:
-    cmd = [sys.executable, "torchrun_main.py", "--model_config", args.trainer_config, "--norm_type", "pre",
-           *STUDY_FLAGS, "--dtype", args.trainer_dtype, "--num_training_steps", str(args.trainer_steps),
-           "--eval_every", str(10**6), "--save_every", str(10**6), "--eval_tokens", "256",
-           "--save_dir", str(out_dir), *extra_flags]
+    cmd = [sys.executable, "torchrun_main.py", *without_flags(args.study_flags, BENCHMARK_FLAGS),
+           "--model_config", args.trainer_config, "--dtype", args.trainer_dtype,
+           "--num_training_steps", str(args.trainer_steps), "--warmup_steps", "1", "--eval_every", str(10**6),
+           "--save_every", str(10**6), "--eval_tokens", "256", "--save_dir", str(out_dir), *extra_flags]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.trainer_threads), WANDB_MODE="disabled", HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     start = time.perf_counter()
@@ -271,7 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=5, help="interleaved timed repeats per variant")
     parser.add_argument("--steps", type=int, default=1, help="steps per timed repeat")
     parser.add_argument("--trainer_config", default=STUDY_CONFIG)
-    parser.add_argument("--trainer_dtype", default="mixed", choices=["float32", "bfloat16", "mixed"])
+    parser.add_argument("--trainer_dtype", default=None, choices=["float32", "bfloat16", "mixed"],
+                        help="default: the study's own dtype (float32 on CPU; see utils/compare_norms.py)")
     parser.add_argument("--trainer_steps", type=int, default=12)
     parser.add_argument("--trainer_warmup", type=int, default=2, help="updates left out of the trainer's median")
     parser.add_argument("--trainer_repeats", type=int, default=3)
@@ -286,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.study_flags = study_trainer_flags()
+    args.trainer_dtype = args.trainer_dtype or flag_value(args.study_flags, "--dtype")
     if args.quick:
         args.shapes, args.modes, args.repeats, args.steps = ["configs/llama_tiny.json:2:32"], ["eager"], 1, 1
         args.trainer_config, args.trainer_steps, args.trainer_warmup = "configs/llama_tiny.json", 3, 1
