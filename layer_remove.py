@@ -271,6 +271,10 @@ def plot_sweep(rows: list[dict], path: Path, title: str) -> Path:
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model_io.add_model_arguments(parser, default_model=None)
+    for action in parser._actions:  # the shared --dtype, with this tool's meaning of auto
+        if action.dest == "dtype":
+            action.help = ("weights dtype; auto = bfloat16 on GPU, float32 on CPU for --sweep, and the checkpoint's "
+                           "own dtype for a saved pruned model")
     parser.add_argument("--layer_index", type=int, default=None, help="0-based index of the layer to remove")
     parser.add_argument("--save_path", default=None, help="new (or empty) folder for the pruned model")
     parser.add_argument("--sweep", action="store_true",

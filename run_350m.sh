@@ -2,7 +2,8 @@
 # Paper recipe: LLaMA-350m on C4 (4 GPUs), hyperparameters of the reference run script.
 #   bash run_350m.sh NORM_TYPE [POST_NUM] [extra torchrun_main.py flags]      e.g. bash run_350m.sh LNS 3
 # NPROC=<n> overrides the process count (default 4); TORCHRUN_ARGS replaces "--standalone" (multi-node).
-# Exit code: 0 finished, 2 bad input, 3 diverged (read back from the ranks by utils/launch_trainer.sh), else torchrun's.
+# Exit code: 0 finished, 1 error, 2 bad input, 3 diverged, 4 disk full (read back from the ranks by
+# utils/launch_trainer.sh), else torchrun's.
 # Extra flags come last, so they override the values below (e.g. --dtype mixed, --fsdp, --continue_from DIR).
 set -euo pipefail
 cd "$(dirname "$0")"

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # A few-minute CPU pretraining run: the 24-layer tiny config on the embedded Austen corpus, offline.
 #   bash run_tiny.sh NORM_TYPE [POST_NUM] [extra torchrun_main.py flags]      e.g. bash run_tiny.sh LNS
-# Writes runs/tiny_<norm>-<time>/ (metrics.jsonl, results.json, loss_curve.png, model_<step>/) and prints the paths.
+# Writes runs/tiny_<norm>-<time>/ (metrics.jsonl, results.json, loss_curve.png, norm_gains.png, model_<step>/)
+# and prints the paths.
 # PYTHON picks the interpreter (default: python); NPROC=2 runs two CPU processes through torchrun (gloo).
 # On a busy machine OMP_NUM_THREADS=1 is much faster (threads of one process stop waiting on each other).
-# Exit code: 0 finished, 2 bad input, 3 diverged (read back from the ranks by utils/launch_trainer.sh).
+# Exit code: 0 finished, 1 error, 2 bad input, 3 diverged, 4 disk full (read back from the ranks by
+# utils/launch_trainer.sh).
 set -euo pipefail
 cd "$(dirname "$0")"
 norm_type=${1:?usage: bash run_tiny.sh NORM_TYPE [POST_NUM] [extra torchrun_main.py flags]}

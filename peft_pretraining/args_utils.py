@@ -130,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--eval_batch_size", type=int, default=None, help="default: --batch_size")
     run.add_argument("--save_every", type=int, default=10_000)
     run.add_argument("--save_dir", type=str, default=None,
-                     help="run folder: metrics.jsonl, results.json, loss_curve.png and model_<step>/ checkpoints "
+                     help="run folder: metrics.jsonl, results.json, loss_curve.png, norm_gains.png and model_<step>/ "
+                          "checkpoints "
                           "(default runs/<run_name>-<UTC time>; with --continue_from, the checkpoint's run folder)")
     run.add_argument("--keep_last", type=int, default=None,
                      help="after each successful save, delete all but the newest N checkpoints (default: keep all)")
@@ -154,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how long a collective waits for the slowest rank before the run fails (the default "
                              "covers rank 0 writing a 1B checkpoint to a slow disk)")
     system.add_argument("--single_gpu", action="store_true",
-                        help="reference compatibility: no DDP wrapper (only valid with one process)")
+                        help="accepted for the reference's scripts; changes nothing, since one process never "
+                             "gets a DDP wrapper (an error with more than one)")
     return p
 
 

@@ -544,7 +544,7 @@ class TrainStream:
         if batch_size < 1:
             raise ValueError(f"--batch_size must be >= 1, got {batch_size}")
         if num_workers < 0:
-            raise ValueError(f"--num_workers must be >= 0, got {num_workers}")
+            raise ValueError(f"--workers must be >= 0, got {num_workers}")
         _require_eos(tokenizer)
         self.source, self.tokenizer = source, tokenizer
         self.max_length, self.packing, self.batch_size, self.num_workers = max_length, packing, batch_size, num_workers
@@ -695,9 +695,9 @@ class TrainStream:
 
 def build_train_stream(*, dataset: str, dataset_path: str | None, tokenizer, max_length: int, packing: bool,
                        batch_size: int, seed: int, rank: int, world_size: int, num_workers: int = 0,
-                       dataset_config: str | None = None, shuffle_block: int = SHUFFLE_BLOCK) -> TrainStream:
+                       dataset_config: str | None = None) -> TrainStream:
     source = _make_source(dataset=dataset, dataset_path=dataset_path, split="train", seed=seed, rank=rank,
-                          world_size=world_size, shuffle=True, dataset_config=dataset_config, block_size=shuffle_block)
+                          world_size=world_size, shuffle=True, dataset_config=dataset_config, block_size=SHUFFLE_BLOCK)
     description = {"dataset": dataset if dataset_path is None else f"path:{dataset_path}", "seed": seed, "rank": rank,
                    "world_size": world_size, "max_length": max_length, "packing": packing}
     return TrainStream(source, tokenizer, max_length=max_length, packing=packing, batch_size=batch_size,

@@ -84,7 +84,8 @@ def report_exit_code(code: int) -> int:
     """Leave this rank's exit code where the run script finds it after torchrun returns.
 
     torchrun turns any failed rank into its own exit code 1, so run_*.sh set TRAINER_EXIT_CODE_DIR (a fresh local
-    folder per node) and read the codes back: 2 bad input and 3 diverged survive, on every node of a multi-node run.
+    folder per node) and read the codes back: the trainer's own codes (2 bad input, 3 diverged, 4 disk full)
+    survive, on every node of a multi-node run.
     """
     folder = os.environ.get(EXIT_CODE_DIR_ENV)
     if folder:

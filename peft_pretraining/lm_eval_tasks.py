@@ -7,7 +7,7 @@ format) that points at them by absolute path; ``task_manager(include_paths)`` th
     python -m peft_pretraining.lm_eval_tasks --output_dir /tmp/lm_eval_tasks      # writes heldout_novel_ppl
 
 Builders are registered in LOCAL_TASK_BUILDERS (name -> function(output_dir, **options) -> task folder); add a
-new task (e.g. a multiple-choice one) by writing its builder next to the existing one and registering it there.
+new task by writing its builder next to the existing ones and registering it there.
 """
 from __future__ import annotations
 

@@ -209,8 +209,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # The one place where the attention kernel depends on the device. Measured fwd+bwd on a 2-core AVX-512 CPU
-# (docs/benchmarks.md): under bf16 the CPU flash kernel is 2-3x slower than SDPA's math backend up to 512
-# tokens and about even at 1024; in fp32 flash wins. CUDA keeps torch's own choice (flash / cuDNN / efficient).
+# (docs/benchmarks.md): under bf16 the CPU flash kernel is about 1.6-2.5x slower than SDPA's math backend at
+# 128-256 tokens and about even at 512, and faster at 1024; in fp32 flash wins. CUDA keeps torch's own choice
+# (flash / cuDNN / efficient).
 CPU_MATH_SDPA_MAX_LEN = 512
 
 

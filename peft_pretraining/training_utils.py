@@ -514,7 +514,9 @@ def wandb_api_key_available() -> bool:
 
 
 def wandb_mode() -> str:
-    """WANDB_MODE when set; otherwise online only with an API key, offline without one (never a login prompt)."""
+    """WANDB_MODE when set (but online only with an API key); unset: online with a key, offline without one.
+
+    Never a login prompt."""
     mode = os.environ.get("WANDB_MODE", "").strip().lower()
     if mode in ("disabled", "offline", "dryrun"):
         return "disabled" if mode == "disabled" else "offline"

@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -452,7 +453,7 @@ arm's loss is lower than the reference's with an interval that excludes zero, **
   {s['stream_tokens']:,} held-out tokens; block Jacobians at {s['jacobian_tokens']} held-out tokens
   ({'exact' if not s['jacobian_probes'] else f"{s['jacobian_probes']} random probes per token, unbiased"}); removal of
   each layer in turn (layer_remove.py --sweep, {s['removal_documents']} documents); the norm gains.
-- **Speed**: median {(sum(speeds) / len(speeds)) if speeds else float('nan'):,.0f} tokens/s per run
+- **Speed**: median {statistics.median(speeds) if speeds else float('nan'):,.0f} tokens/s per run
   (one thread per run, {args.jobs} runs at a time).
 - **Machine**: {study_lib.machine_description()}; {study_lib.software_versions()}.
 

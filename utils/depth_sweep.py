@@ -36,9 +36,9 @@ from utils.study_lib import RunSpec  # noqa: E402
 
 NORMS = {"pre": "Pre-LN", "lns": "LNS"}
 # Hidden 64 (head dim 16) keeps a 48-layer run near 20 minutes with its analyses on one core; 128 would make every
-# run about four times dearer. Measured per run (train + analyses, two runs side by side): L=6 3.8, L=12 5.4,
-# L=24 10.4 run-minutes, about linear in L, so L=48 takes about 20 and L=96 about 40: the four depths of the default
-# fit in 2 hours on 2 cores, and L=96 is the `deep` extension, which shares the default's records.
+# run about four times dearer. Measured per run (train + analyses, two runs side by side; mean of the records in
+# docs/depth_sweep/runs): L=6 4.5, L=12 6.5, L=24 9.2, L=48 16.5 run-minutes, so L=96 takes about 35: the four
+# depths of the default fit in 2 hours on 2 cores, and L=96 is the `deep` extension, which shares the default's records.
 BASE_CONFIG = "configs/llama_tiny.json"
 BUDGETS = {
     "default": dict(depths=(6, 12, 24, 48), steps=400, warmup=40, batch_size=16, max_length=128,

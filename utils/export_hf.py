@@ -3,7 +3,7 @@
 Works for pre, lns, layerscale, skipinit and completep (LNS factors, gates and L^-alpha are folded into the weights);
 the other placements have no stock form and load with trust_remote_code=True instead.
 
-    python utils/export_hf.py --checkpoint runs/tiny-lns/final --out exported/tiny-lns
+    python utils/export_hf.py --checkpoint runs/tiny_lns-<time>/model_150 --out exported/tiny-lns
 
 The result loads with `AutoModelForCausalLM.from_pretrained(OUT)`, no trust_remote_code needed.
 """

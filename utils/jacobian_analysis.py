@@ -330,7 +330,7 @@ def _leading_block(engine: BlockVectorJacobian, window: Sequence[int], position:
 def jacobian_summary(model: nn.Module, windows: Iterable[list[int]], num_tokens: int = 128,
                      tokens_per_window: int = 8, probes: int | None = None, seed: int = 0,
                      desc: str = "jacobian") -> list[dict]:
-    """In-process entry point (e.g. for the study): windows of token ids (as from ``model_io.token_windows``) in,
+    """In-process entry point: windows of token ids (as from ``model_io.token_windows``) in,
     one dict per layer out: ``layer, rel_identity_dev, mean_diag, mean_abs_offdiag`` (+ ``*_se`` with probes)."""
     samples = sample_tokens(windows, num_tokens, tokens_per_window, seed)
     return measure_jacobians(model, samples, probes, seed, heatmap=False, desc=desc).rows
@@ -422,7 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.set_defaults(model_path=None, max_seq_len=None, batch_size=None)
     for action in parser._actions:  # the shared flags' help, with this tool's meaning
         if action.dest == "max_seq_len":
-            action.help = "tokens per window (default: the context length the checkpoint was trained at)"
+            action.help = ("tokens per window (default: the context length the checkpoint was trained at; "
+                           f"{model_io.HUB_STREAM_WINDOW} for a hub model that records none)")
         elif action.dest == "batch_size":
             action.help = ("Jacobian rows or probes per batched backward pass; lower it if memory runs out "
                            "(default: as many as keep one batched gradient under 2^25 floats)")

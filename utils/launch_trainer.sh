@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run a trainer command and exit with the trainer's own code: 0 finished, 2 bad input, 3 diverged.
+# Run a trainer command and exit with the trainer's own code: 0 finished, 1 error, 2 bad input, 3 diverged, 4 disk full.
 #   bash utils/launch_trainer.sh torchrun --standalone --nproc_per_node 8 torchrun_main.py --flag value ...
 #   bash utils/launch_trainer.sh python torchrun_main.py --flag value ...
 # torchrun reports any failed rank as exit code 1, so every rank writes its code into a fresh folder on its own node

@@ -427,7 +427,9 @@ def add_text_arguments(parser, default_num_tokens: int) -> None:
     parser.add_argument("--dataset", default="c4", choices=TEXT_SOURCES,
                         help="c4: C4 en validation streamed from the hub, falling back to the embedded held-out "
                              "novel when the hub is unreachable; embedded: the held-out novel")
-    parser.add_argument("--text_file", default=None, help="local text file (.txt or .txt.gz); overrides --dataset")
+    parser.add_argument("--text_file", default=None,
+                        help="local text file: plain text (one document), or .jsonl/.json lines with a \"text\" "
+                             "field; optionally .gz; overrides --dataset")
     parser.add_argument("--num_tokens", type=int, default=default_num_tokens,
                         help="number of real (non-pad) tokens to analyse")
     add_context_argument(parser)

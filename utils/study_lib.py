@@ -464,14 +464,14 @@ def summarise_analysis(analysis: dict) -> dict:
     )
 
 
-def document_measures(record: dict, step: int | None = None) -> dict | None:
-    """Per-document values at an analysed step (default: the last), or None for a run analysed without them:
+def document_measures(record: dict) -> dict | None:
+    """Per-document values at the last analysed step, or None for a run analysed without them:
     heldout_nats, the held-out loss per document (nats/word), and removal_deep, per document the mean loss rise
     over the deeper half of the layers."""
     analyses = record.get("analyses") or {}
     if not analyses or record.get("status") != "finished":
         return None
-    analysis = analyses[str(step if step is not None else max(int(s) for s in analyses))]
+    analysis = analyses[str(max(int(s) for s in analyses))]
     if "removal_document_costs" not in analysis:
         return None
     deep = analysis["removal_document_costs"][len(analysis["removal_document_costs"]) // 2:]
@@ -504,14 +504,13 @@ def finite_or_none(value):
     return value if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
-def by_seed(records: dict[str, dict], arm: str, measure: str, step: int | None = None,
-            require_finished: bool = True) -> dict[int, float | None]:
+def by_seed(records: dict[str, dict], arm: str, measure: str, step: int | None = None) -> dict[int, float | None]:
     """{seed: value} of one measure for one arm; a diverged run gives None (the verdicts drop its pair)."""
     values = {}
     for record in records.values():
         if record["arm"] != arm:
             continue
-        if require_finished and record["status"] != "finished":
+        if record["status"] != "finished":
             values[record["seed"]] = None
             continue
         values[record["seed"]] = finite_or_none(measures_at(record, step).get(measure))

@@ -250,8 +250,8 @@ def judge_documents(claim: str, expected_direction: int, a: Sequence[float], b: 
     if keep.sum() < 2:
         return Verdict(claim, expected_direction, None, None, None, int(keep.sum()), NOT_MEASURABLE,
                        f"fewer than 2 usable {unit}" + (f"; {reason}" if reason else ""), unit=unit, scale=scale)
+    effect, low, high = paired_bootstrap_ci(values_a[keep], values_b[keep], n_boot, alpha, seed, log_ratio)
     differences = _differences(values_a[keep], values_b[keep], log_ratio)
-    effect, low, high = bootstrap_mean_ci(differences, n_boot, alpha, seed)
     return Verdict(claim, expected_direction, effect, low, high, int(keep.sum()),
                    status_for(expected_direction, low, high), reason,
                    int(np.sum(np.sign(differences) == expected_direction)), unit, scale)
