@@ -1,20 +1,26 @@
 """Training-step throughput: our model now, our model at a git revision ("before"), and transformers' Llama.
 
-Two sections, both printing the median and the spread (min-max) of every figure:
+Three sections, each printing the median and the spread (min-max) of every figure:
 
 * model: one step = forward + loss + backward + grad clipping 1.0 + fused Adam, on random tokens (no padding).
-  Each model runs eager and through torch.compile, in fp32 and under bf16 autocast with fp32 weights ("mixed"). All variants of one (config, dtype) live in one process and are timed in interleaved repeats, so
-  drifts in machine load hit them alike. "before" is `peft_pretraining/modeling_llama.py` read from `--before`.
+  Each model runs eager and through torch.compile, in fp32 and under bf16 autocast with fp32 weights ("mixed").
+  All variants of one (config, dtype) live in one process and are timed in interleaved repeats, so drifts in
+  machine load hit them alike. "before" is `peft_pretraining/modeling_llama.py` read from `--before`.
 * trainer: the real `torchrun_main.py` on the embedded corpus with the CPU study's own flags (its Pre-LN seed-1 run
   of `utils/compare_norms.py`, dtype and packing included; data loading included) but a short budget, the
   current tree against the tree of `--before` (extracted with `git archive`), runs alternating before/after; the
   figure is the median of the per-update tokens_per_s in metrics.jsonl after the first `--trainer_warmup` updates.
+* layout (asked for by name): the same trainer runs, `--layout_cores` of them side by side with one thread each (as
+  the study runs them), against one after another with `--layout_cores` threads each; the figure is the machine's
+  total tokens/s.
 
-    python utils/benchmark_model.py                      # study shape and 130M, everything (long on 2 CPU cores)
+    python utils/benchmark_model.py                      # model and trainer, study shape and 130M (long on 2 cores)
     python utils/benchmark_model.py --sections trainer --trainer_repeats 3
+    python utils/benchmark_model.py --sections layout --trainer_steps 20 --trainer_repeats 3
     python utils/benchmark_model.py --quick              # a tiny smoke run, seconds
 
-Writes <out>/model.csv, <out>/trainer.csv and <out>/benchmark.json (default out: runs/benchmark_model).
+Writes <out>/model.csv, <out>/trainer.csv, <out>/layout.csv and <out>/benchmark.json (default out:
+runs/benchmark_model).
 """
 
 import argparse
@@ -194,21 +200,32 @@ def extract_revision(revision: str) -> Path:
     return target / "tree"
 
 
-def run_trainer(tree: Path, args, extra_flags: list[str], out_dir: Path) -> dict:
-    cmd = [sys.executable, "torchrun_main.py", *without_flags(args.study_flags, BENCHMARK_FLAGS),
+def trainer_command(args, extra_flags: list[str], out_dir: Path) -> list[str]:
+    return [sys.executable, "torchrun_main.py", *without_flags(args.study_flags, BENCHMARK_FLAGS),
            "--model_config", args.trainer_config, "--dtype", args.trainer_dtype,
            "--num_training_steps", str(args.trainer_steps), "--warmup_steps", "1", "--eval_every", str(10**6),
            "--save_every", str(10**6), "--eval_tokens", "256", "--save_dir", str(out_dir), *extra_flags]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.trainer_threads), WANDB_MODE="disabled", HF_HUB_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+
+
+def trainer_env(threads: int) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), WANDB_MODE="disabled", HF_HUB_OFFLINE="1",
+                HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+
+
+def trainer_rate(args, out_dir: Path) -> float:
+    """Median of the per-update tokens_per_s in the run's metrics.jsonl, after the warm-up updates."""
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return statistics.median([row["tokens_per_s"] for row in rows if "tokens_per_s" in row][args.trainer_warmup:])
+
+
+def run_trainer(tree: Path, args, extra_flags: list[str], out_dir: Path) -> dict:
     start = time.perf_counter()
-    result = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    result = subprocess.run(trainer_command(args, extra_flags, out_dir), cwd=tree,
+                            env=trainer_env(args.trainer_threads), capture_output=True, text=True)
     wall = time.perf_counter() - start
     if result.returncode != 0:
         raise SystemExit(f"benchmark_model: trainer failed in {tree}:\n{result.stderr[-2000:]}")
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rates = [row["tokens_per_s"] for row in rows if "tokens_per_s" in row][args.trainer_warmup:]
-    return {"tokens_per_s": statistics.median(rates), "wall_s": wall}
+    return {"tokens_per_s": trainer_rate(args, out_dir), "wall_s": wall}
 
 
 def trainer_section(args) -> list[dict]:
@@ -235,8 +252,51 @@ def trainer_section(args) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------------------------------------------- layout section
+def run_side_by_side(args, out_dirs: list[Path], threads: int) -> dict:
+    """The runs of `out_dirs` started together, `threads` threads each; the total of their rates, and the wall time."""
+    start = time.perf_counter()
+    procs = [subprocess.Popen(trainer_command(args, [], out_dir), cwd=REPO, env=trainer_env(threads),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for out_dir in out_dirs]
+    errors = [proc.communicate()[1] for proc in procs]
+    wall = time.perf_counter() - start
+    for proc, err in zip(procs, errors):
+        if proc.returncode != 0:
+            raise SystemExit(f"benchmark_model: trainer failed in the layout section:\n{err[-2000:]}")
+    return {"tokens_per_s": sum(trainer_rate(args, out_dir) for out_dir in out_dirs), "wall_s": wall}
+
+
+def layout_section(args) -> list[dict]:
+    """How the study should share the cores among its runs (utils/study_lib.py runs --jobs runs of one thread each).
+
+    `--layout_cores` runs side by side with one thread each, against the same runs one after another with
+    `--layout_cores` threads each. The figure is the machine's total training throughput: the sum of the
+    side-by-side runs' rates, against one multi-threaded run's rate (every run trains the same tokens)."""
+    cores = args.layout_cores
+    layouts = {f"{cores} x 1 thread, side by side": (cores, 1), f"1 x {cores} threads, one after another": (1, cores)}
+    results = {name: [] for name in layouts}
+    with tempfile.TemporaryDirectory(prefix="layout_runs_") as runs:
+        progress = tqdm(total=args.trainer_repeats * len(layouts), desc="layout runs", leave=False)
+        for repeat in range(args.trainer_repeats):
+            for index, (name, (side_by_side, threads)) in enumerate(layouts.items()):
+                out_dirs = [Path(runs) / f"{index}-{repeat}-{lane}" for lane in range(side_by_side)]
+                results[name].append(run_side_by_side(args, out_dirs, threads))
+                progress.update(1)
+        progress.close()
+    rows = []
+    for name, measured in results.items():
+        processes, threads = layouts[name]
+        stats = spread([r["tokens_per_s"] for r in measured])
+        rows.append({"layout": name, "processes": processes, "threads": threads,
+                     "config": Path(args.trainer_config).name, "dtype": args.trainer_dtype,
+                     "steps": args.trainer_steps,
+                     **{f"total_tokens_per_s_{k}": round(v, 1) for k, v in stats.items() if k != "n"},
+                     "repeats": stats["n"], "per_repeat": [round(r["tokens_per_s"], 1) for r in measured]})
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------------- report
-def ratios(model_rows, trainer_rows) -> dict:
+def ratios(model_rows, trainer_rows, layout_rows=()) -> dict:
     out = {}
     by_key = {(r["config"], r["dtype"], r["model"], r["mode"]): r["tokens_per_s_median"] for r in model_rows}
     for (config, dtype, model, mode), rate in by_key.items():
@@ -260,6 +320,10 @@ def ratios(model_rows, trainer_rows) -> dict:
         for variant, rate in before.items():
             if r["tree"] == "after":
                 out[f"trainer after {r['variant']} / before {variant}"] = round(r["tokens_per_s_median"] / rate, 3)
+    if len(layout_rows) == 2:
+        side_by_side, one_after_another = layout_rows
+        out[f"layout: {side_by_side['layout']} / {one_after_another['layout']}"] = round(
+            side_by_side["total_tokens_per_s_median"] / one_after_another["total_tokens_per_s_median"], 3)
     return out
 
 
@@ -283,7 +347,9 @@ def write_csv(path: Path, rows):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sections", nargs="+", default=["model", "trainer"], choices=["model", "trainer"])
+    parser.add_argument("--sections", nargs="+", default=["model", "trainer"], choices=["model", "trainer", "layout"],
+                        help="layout (not in the default): the study's runs side by side, one thread each, against "
+                             "one after another with all threads")
     parser.add_argument("--before", default="main", help="git revision whose model and trainer are 'before'")
     parser.add_argument("--shapes", nargs="+", default=[f"{STUDY_CONFIG}:16:128", "configs/llama_130m.json:1:256"],
                         help="config:batch:seq_len for the model section")
@@ -302,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trainer_threads", type=int, default=1, help="OMP_NUM_THREADS of each trainer run")
     parser.add_argument("--trainer_variants", nargs="+", default=list(TRAINER_VARIANTS), choices=TRAINER_VARIANTS,
                         help="eager: the trainer's defaults; compile: with --compile; each run for both trees")
+    parser.add_argument("--layout_cores", type=int, default=2,
+                        help="cores the layout section shares out (the study's --jobs; this machine has 2)")
     parser.add_argument("--out", default=str(REPO / "runs" / "benchmark_model"))
     parser.add_argument("--quick", action="store_true", help="tiny config and budget: checks that everything runs")
     return parser
@@ -322,7 +390,7 @@ def parse_args(argv=None):
             parser.error(f"--shapes {shape!r}: expected config:batch:seq_len")
         if not (REPO / parts[0]).is_file() and not Path(parts[0]).is_file():
             parser.error(f"--shapes {shape!r}: no such config {parts[0]}")
-    for name in ("repeats", "steps", "trainer_steps", "trainer_repeats", "trainer_threads"):
+    for name in ("repeats", "steps", "trainer_steps", "trainer_repeats", "trainer_threads", "layout_cores"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} {getattr(args, name)}: must be at least 1")
     if args.trainer_warmup >= args.trainer_steps:
@@ -343,20 +411,25 @@ def main(argv=None):
     print(f"machine: {header['machine']}", flush=True)
     model_rows = model_section(args, before_module) if "model" in args.sections else []
     trainer_rows = trainer_section(args) if "trainer" in args.sections else []
-    summary = ratios(model_rows, trainer_rows)
+    layout_rows = layout_section(args) if "layout" in args.sections else []
+    summary = ratios(model_rows, trainer_rows, layout_rows)
     print("\nmodel step (tokens/s; median, min-max over interleaved repeats)")
     print_table(model_rows, ["config", "batch", "seq_len", "dtype", "model", "mode", "tokens_per_s_median",
                              "tokens_per_s_min", "tokens_per_s_max"])
     print("\ntrainer (tokens/s from metrics.jsonl; median over runs of the per-run median)")
     print_table(trainer_rows, ["tree", "variant", "dtype", "threads", "tokens_per_s_median", "tokens_per_s_min",
                                "tokens_per_s_max", "wall_s_median"])
+    print("\nlayout (total training tokens/s of the machine; median over repeats, min-max)")
+    print_table(layout_rows, ["layout", "dtype", "total_tokens_per_s_median", "total_tokens_per_s_min",
+                              "total_tokens_per_s_max"])
     print("\nratios of medians")
     for key, value in summary.items():
         print(f"  {key}: {value}")
     write_csv(out / "model.csv", model_rows)
     write_csv(out / "trainer.csv", trainer_rows)
+    write_csv(out / "layout.csv", layout_rows)
     (out / "benchmark.json").write_text(json.dumps({**header, "model": model_rows, "trainer": trainer_rows,
-                                                    "ratios": summary}, indent=2))
+                                                    "layout": layout_rows, "ratios": summary}, indent=2))
     print(f"\nwrote {out / 'benchmark.json'}")
 
 
