@@ -254,16 +254,14 @@ def trainer_section(args) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------------------- layout section
 def run_side_by_side(args, out_dirs: list[Path], threads: int) -> dict:
-    """The runs of `out_dirs` started together, `threads` threads each; the total of their rates, and the wall time."""
-    start = time.perf_counter()
+    """The runs of `out_dirs` started together, `threads` threads each; the total of their rates."""
     procs = [subprocess.Popen(trainer_command(args, [], out_dir), cwd=REPO, env=trainer_env(threads),
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for out_dir in out_dirs]
     errors = [proc.communicate()[1] for proc in procs]
-    wall = time.perf_counter() - start
     for proc, err in zip(procs, errors):
         if proc.returncode != 0:
             raise SystemExit(f"benchmark_model: trainer failed in the layout section:\n{err[-2000:]}")
-    return {"tokens_per_s": sum(trainer_rate(args, out_dir) for out_dir in out_dirs), "wall_s": wall}
+    return {"tokens_per_s": sum(trainer_rate(args, out_dir) for out_dir in out_dirs)}
 
 
 def layout_section(args) -> list[dict]:
