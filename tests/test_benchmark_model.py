@@ -70,3 +70,34 @@ def test_quick_layout_benchmark_runs_both_layouts(tmp_path):
     assert all(row["total_tokens_per_s_median"] > 0 for row in report["layout"])
     assert any(key.startswith("layout: ") for key in report["ratios"])
     assert (tmp_path / "layout.csv").read_text().startswith("layout,")
+
+
+def test_before_flags_own_runs_each_tree_with_its_own_study(tmp_path, monkeypatch):
+    """With --before_flags own the before tree trains the study as it ran then: a447e53's study used bf16 autocast
+    ("mixed") and padded batches, today's uses float32 and packing."""
+    if benchmark_model.subprocess.run(["git", "rev-parse", "--verify", "--quiet", "a447e53^{commit}"],
+                                      cwd=benchmark_model.REPO, capture_output=True).returncode != 0:
+        pytest.skip("a447e53 is not in this clone's history")
+    commands = []
+    real_run = benchmark_model.subprocess.run
+
+    def recording_run(cmd, *args, **kwargs):
+        if cmd[:2] != [benchmark_model.sys.executable, "torchrun_main.py"]:
+            return real_run(cmd, *args, **kwargs)
+        commands.append((kwargs["cwd"], cmd))
+        save_dir = benchmark_model.Path(cmd[cmd.index("--save_dir") + 1])
+        save_dir.mkdir(parents=True)
+        (save_dir / "metrics.jsonl").write_text(json.dumps({"tokens_per_s": 10.0}) + "\n" * 3)
+        return benchmark_model.subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(benchmark_model.subprocess, "run", recording_run)
+    benchmark_model.main(["--sections", "trainer", "--before", "a447e53", "--before_flags", "own",
+                          "--trainer_repeats", "1", "--trainer_steps", "2", "--trainer_warmup", "0",
+                          "--trainer_variants", "eager", "--out", str(tmp_path)])
+    by_tree = {"after" if cwd == benchmark_model.REPO else "before": cmd for cwd, cmd in commands}
+    assert benchmark_model.flag_value(by_tree["before"], "--dtype") == "mixed"
+    assert "--packing" not in by_tree["before"] and "--packing" in by_tree["after"]
+    assert benchmark_model.flag_value(by_tree["after"], "--dtype") == "float32"
+    rows = {row["tree"]: row for row in json.loads((tmp_path / "benchmark.json").read_text())["trainer"]}
+    assert rows["before"]["study_flags_of"] == "a447e53" and rows["before"]["dtype"] == "mixed"
+    assert rows["after"]["study_flags_of"] == "working tree" and rows["after"]["packing"] is True

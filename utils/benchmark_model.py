@@ -10,12 +10,15 @@ Three sections, each printing the median and the spread (min-max) of every figur
   of `utils/compare_norms.py`, dtype and packing included; data loading included) but a short budget, the
   current tree against the tree of `--before` (extracted with `git archive`), runs alternating before/after; the
   figure is the median of the per-update tokens_per_s in metrics.jsonl after the first `--trainer_warmup` updates.
+  Both trees train today's study flags, or with `--before_flags own` each tree its own study's flags (the study as
+  it ran then against the study as it runs now).
 * layout (asked for by name): the same trainer runs, `--layout_cores` of them side by side with one thread each (as
   the study runs them), against one after another with `--layout_cores` threads each; the figure is the machine's
   total tokens/s.
 
     python utils/benchmark_model.py                      # model and trainer, study shape and 130M (long on 2 cores)
     python utils/benchmark_model.py --sections trainer --trainer_repeats 3
+    python utils/benchmark_model.py --sections trainer --before a447e53 --before_flags own   # the study then vs now
     python utils/benchmark_model.py --sections layout --trainer_steps 20 --trainer_repeats 3
     python utils/benchmark_model.py --quick              # a tiny smoke run, seconds
 
@@ -165,12 +168,29 @@ def model_section(args, before_module) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------------- trainer section
-def study_trainer_flags() -> list[str]:
-    """The flags of the CPU study's Pre-LN seed-1 run (default budget), read from compare_norms so they cannot drift."""
-    from utils import compare_norms
+# Prints the Pre-LN seed-1 run's flags from the compare_norms.py of the tree it runs in. Before the study machinery
+# (97bc166) one function, train_flags, gave a run's flags; a tree of either age can be asked.
+STUDY_FLAGS_SNIPPET = """
+import json, sys
+sys.path.insert(0, ".")
+from utils import compare_norms as study
+if hasattr(study, "run_specs"):
+    args = study.parse_args(["--arms", "pre", "--seeds", "1"])
+    flags = study.run_specs(args, study.study_arms(args))[0].flags()
+else:
+    flags = study.train_flags(study.parse_args([]), "pre", 1)
+print(json.dumps(list(flags)))
+"""
 
-    study_args = compare_norms.parse_args(["--arms", "pre", "--seeds", "1"])
-    return list(compare_norms.run_specs(study_args, compare_norms.study_arms(study_args))[0].flags())
+
+def study_trainer_flags(tree: Path = REPO) -> list[str]:
+    """The flags of the CPU study's Pre-LN seed-1 run (default budget) as `tree`'s utils/compare_norms.py gives them,
+    so the benchmark cannot drift from the study."""
+    result = subprocess.run([sys.executable, "-c", STUDY_FLAGS_SNIPPET], cwd=tree, capture_output=True, text=True,
+                            env=trainer_env(1))
+    if result.returncode != 0:
+        raise SystemExit(f"benchmark_model: could not read the study's flags in {tree}:\n{result.stderr[-2000:]}")
+    return json.loads(result.stdout.splitlines()[-1])
 
 
 def without_flags(flags: list[str], names) -> list[str]:
@@ -200,11 +220,18 @@ def extract_revision(revision: str) -> Path:
     return target / "tree"
 
 
-def trainer_command(args, extra_flags: list[str], out_dir: Path) -> list[str]:
-    return [sys.executable, "torchrun_main.py", *without_flags(args.study_flags, BENCHMARK_FLAGS),
-           "--model_config", args.trainer_config, "--dtype", args.trainer_dtype,
-           "--num_training_steps", str(args.trainer_steps), "--warmup_steps", "1", "--eval_every", str(10**6),
-           "--save_every", str(10**6), "--eval_tokens", "256", "--save_dir", str(out_dir), *extra_flags]
+def trainer_dtype(args, study_flags: list[str]) -> str:
+    """--trainer_dtype, else the dtype of the study whose flags these are."""
+    return args.trainer_dtype or flag_value(study_flags, "--dtype")
+
+
+def trainer_command(args, extra_flags: list[str], out_dir: Path, study_flags: list[str] | None = None) -> list[str]:
+    """The study's run with the benchmark's budget; `study_flags` default to the working tree's study."""
+    study_flags = args.study_flags if study_flags is None else study_flags
+    return [sys.executable, "torchrun_main.py", *without_flags(study_flags, BENCHMARK_FLAGS),
+            "--model_config", args.trainer_config, "--dtype", trainer_dtype(args, study_flags),
+            "--num_training_steps", str(args.trainer_steps), "--warmup_steps", "1", "--eval_every", str(10**6),
+            "--save_every", str(10**6), "--eval_tokens", "256", "--save_dir", str(out_dir), *extra_flags]
 
 
 def trainer_env(threads: int) -> dict:
@@ -218,9 +245,9 @@ def trainer_rate(args, out_dir: Path) -> float:
     return statistics.median([row["tokens_per_s"] for row in rows if "tokens_per_s" in row][args.trainer_warmup:])
 
 
-def run_trainer(tree: Path, args, extra_flags: list[str], out_dir: Path) -> dict:
+def run_trainer(tree: Path, args, extra_flags: list[str], out_dir: Path, study_flags: list[str]) -> dict:
     start = time.perf_counter()
-    result = subprocess.run(trainer_command(args, extra_flags, out_dir), cwd=tree,
+    result = subprocess.run(trainer_command(args, extra_flags, out_dir, study_flags), cwd=tree,
                             env=trainer_env(args.trainer_threads), capture_output=True, text=True)
     wall = time.perf_counter() - start
     if result.returncode != 0:
@@ -230,6 +257,9 @@ def run_trainer(tree: Path, args, extra_flags: list[str], out_dir: Path) -> dict
 
 def trainer_section(args) -> list[dict]:
     trees = {"before": extract_revision(args.before), "after": REPO}
+    # "same": both trees train the working tree's study (isolates the code); "own": each its own study's flags.
+    flags = {"after": args.study_flags,
+             "before": study_trainer_flags(trees["before"]) if args.before_flags == "own" else args.study_flags}
     variants = [(tree, variant) for tree in trees for variant in args.trainer_variants]
     results = {variant: [] for variant in variants}
     with tempfile.TemporaryDirectory(prefix="trainer_runs_") as runs:
@@ -237,7 +267,8 @@ def trainer_section(args) -> list[dict]:
         for repeat in range(args.trainer_repeats):
             for tree, variant in variants:
                 out_dir = Path(runs) / f"{tree}-{variant}-{repeat}"
-                results[(tree, variant)].append(run_trainer(trees[tree], args, TRAINER_VARIANTS[variant], out_dir))
+                results[(tree, variant)].append(run_trainer(trees[tree], args, TRAINER_VARIANTS[variant], out_dir,
+                                                            flags[tree]))
                 progress.update(1)
         progress.close()
     rows = []
@@ -245,7 +276,10 @@ def trainer_section(args) -> list[dict]:
         stats = spread([r["tokens_per_s"] for r in runs_of_variant])
         rows.append({"tree": tree, "revision": args.before if tree == "before" else "working tree",
                      "variant": variant, "config": Path(args.trainer_config).name,
-                     "dtype": args.trainer_dtype, "threads": args.trainer_threads, "steps": args.trainer_steps,
+                     "dtype": trainer_dtype(args, flags[tree]),
+                     "packing": "--packing" in flags[tree],
+                     "study_flags_of": "working tree" if flags[tree] is args.study_flags else args.before,
+                     "threads": args.trainer_threads, "steps": args.trainer_steps,
                      **{f"tokens_per_s_{k}": round(v, 1) for k, v in stats.items() if k != "n"},
                      "wall_s_median": round(statistics.median(r["wall_s"] for r in runs_of_variant), 1),
                      "repeats": stats["n"], "per_repeat": [round(r["tokens_per_s"], 1) for r in runs_of_variant]})
@@ -286,7 +320,7 @@ def layout_section(args) -> list[dict]:
         processes, threads = layouts[name]
         stats = spread([r["tokens_per_s"] for r in measured])
         rows.append({"layout": name, "processes": processes, "threads": threads,
-                     "config": Path(args.trainer_config).name, "dtype": args.trainer_dtype,
+                     "config": Path(args.trainer_config).name, "dtype": trainer_dtype(args, args.study_flags),
                      "steps": args.trainer_steps,
                      **{f"total_tokens_per_s_{k}": round(v, 1) for k, v in stats.items() if k != "n"},
                      "repeats": stats["n"], "per_repeat": [round(r["tokens_per_s"], 1) for r in measured]})
@@ -360,6 +394,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trainer_config", default=STUDY_CONFIG)
     parser.add_argument("--trainer_dtype", default=None, choices=["float32", "bfloat16", "mixed"],
                         help="default: the study's own dtype (float32 on CPU; see utils/compare_norms.py)")
+    parser.add_argument("--before_flags", default="same", choices=["same", "own"],
+                        help="trainer section: 'same' runs the before tree with today's study flags (the code's "
+                             "speed alone); 'own' with the flags of its own utils/compare_norms.py, dtype and "
+                             "packing included (the study as it ran at --before)")
     parser.add_argument("--trainer_steps", type=int, default=12)
     parser.add_argument("--trainer_warmup", type=int, default=2, help="updates left out of the trainer's median")
     parser.add_argument("--trainer_repeats", type=int, default=3)
@@ -377,7 +415,6 @@ def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     args.study_flags = study_trainer_flags()
-    args.trainer_dtype = args.trainer_dtype or flag_value(args.study_flags, "--dtype")
     if args.quick:
         args.shapes, args.modes, args.repeats, args.steps = ["configs/llama_tiny.json:2:32"], ["eager"], 1, 1
         args.trainer_config, args.trainer_steps, args.trainer_warmup = "configs/llama_tiny.json", 3, 1
@@ -415,7 +452,7 @@ def main(argv=None):
     print_table(model_rows, ["config", "batch", "seq_len", "dtype", "model", "mode", "tokens_per_s_median",
                              "tokens_per_s_min", "tokens_per_s_max"])
     print("\ntrainer (tokens/s from metrics.jsonl; median over runs of the per-run median)")
-    print_table(trainer_rows, ["tree", "variant", "dtype", "threads", "tokens_per_s_median", "tokens_per_s_min",
+    print_table(trainer_rows, ["tree", "variant", "study_flags_of", "dtype", "packing", "threads", "tokens_per_s_median", "tokens_per_s_min",
                                "tokens_per_s_max", "wall_s_median"])
     print("\nlayout (total training tokens/s of the machine; median over repeats, min-max)")
     print_table(layout_rows, ["layout", "dtype", "total_tokens_per_s_median", "total_tokens_per_s_min",
