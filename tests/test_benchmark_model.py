@@ -101,3 +101,26 @@ def test_before_flags_own_runs_each_tree_with_its_own_study(tmp_path, monkeypatc
     rows = {row["tree"]: row for row in json.loads((tmp_path / "benchmark.json").read_text())["trainer"]}
     assert rows["before"]["study_flags_of"] == "a447e53" and rows["before"]["dtype"] == "mixed"
     assert rows["after"]["study_flags_of"] == "working tree" and rows["after"]["packing"] is True
+
+
+def test_ratios_pair_the_interleaved_repeats():
+    """Repeat i of every variant ran under the same load, so ours/hf is also given repeat by repeat: here the
+    ratio of medians (2.0) and the median of the paired ratios (1.0) disagree, as a load spike makes them do."""
+    def row(model, per_repeat):
+        return {"config": "c.json", "dtype": "float32", "model": model, "mode": "compiled",
+                "tokens_per_s_median": sorted(per_repeat)[1], "per_repeat": per_repeat}
+
+    out = benchmark_model.ratios([row("ours", [100.0, 200.0, 400.0]), row("hf", [100.0, 400.0, 100.0])], [])
+    assert out["c.json float32 compiled: ours/hf"] == 2.0
+    assert out["c.json float32 compiled: ours/hf, median of per-repeat ratios (min-max)"] == "1.000 (0.500-4.000)"
+
+
+def test_quick_profile_lists_the_costliest_ops_of_each_variant(tmp_path):
+    benchmark_model.main(["--quick", "--sections", "profile", "--dtypes", "float32", "--profile_top", "5",
+                          "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "benchmark.json").read_text())["profile"]
+    assert len(rows) == 5 and {row["mode"] for row in rows} == {"eager"}
+    shares = [row["share"] for row in rows]
+    assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1.0
+    assert "aten::mm" in {row["op"] for row in rows}  # a training step's matmuls are among its costliest ops
+    assert (tmp_path / "profile.csv").read_text().startswith("config,")

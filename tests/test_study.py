@@ -301,3 +301,18 @@ def test_per_arm_table_sets_every_arm_against_pre_ln_and_lns(tmp_path):
     assert skipinit.count("documents (reproduced)") == 2  # against Pre-LN (-0.5) and LNS (-0.3), over documents
     assert "-0.5000" in skipinit and "-0.3000" in skipinit
     assert compare_norms.plot_per_arm(records, arms, tmp_path / "per_arm.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("study", [compare_norms, depth_sweep])
+@pytest.mark.parametrize("compile_flag", [False, True])
+def test_compile_flag_reaches_every_run_and_its_record_identity(study, compile_flag, tmp_path, monkeypatch):
+    """--compile trains every run compiled, and it is part of the flags a record is matched on."""
+    ran = []
+    monkeypatch.setattr(study_lib, "run_jobs", lambda specs, *rest: (ran.extend(specs), ({}, []))[1])
+    argv = ["--quick", "--out", str(tmp_path / "report"), "--runs_dir", str(tmp_path / "runs")]
+    args = study.parse_args(argv + ["--compile"] * compile_flag)
+    specs = (compare_norms.run_specs(args, compare_norms.study_arms(args)) if study is compare_norms
+             else depth_sweep.run_specs(args))
+    study_lib.collect_records(args, specs)
+    assert ran and all(("--compile" in spec.flags()) == compile_flag for spec in ran)
+    assert all("--compile" not in spec.flags() for spec in specs)  # the caller's specs are left as they were

@@ -1,6 +1,6 @@
 """Training-step throughput: our model now, our model at a git revision ("before"), and transformers' Llama.
 
-Three sections, each printing the median and the spread (min-max) of every figure:
+Four sections; the first three print the median and the spread (min-max) of every figure:
 
 * model: one step = forward + loss + backward + grad clipping 1.0 + fused Adam, on random tokens (no padding).
   Each model runs eager and through torch.compile, in fp32 and under bf16 autocast with fp32 weights ("mixed").
@@ -15,14 +15,17 @@ Three sections, each printing the median and the spread (min-max) of every figur
 * layout (asked for by name): the same trainer runs, `--layout_cores` of them side by side with one thread each (as
   the study runs them), against one after another with `--layout_cores` threads each; the figure is the machine's
   total tokens/s.
+* profile: where our model's step spends its time, op by op (torch.profiler, self CPU time), at the first of
+  --shapes, for each of --dtypes and --modes.
 
     python utils/benchmark_model.py                      # model and trainer, study shape and 130M (long on 2 cores)
     python utils/benchmark_model.py --sections trainer --trainer_repeats 3
-    python utils/benchmark_model.py --sections trainer --before a447e53 --before_flags own   # the study then vs now
+    python utils/benchmark_model.py --sections trainer --before b036de4 --before_flags own   # the study then vs now
     python utils/benchmark_model.py --sections layout --trainer_steps 20 --trainer_repeats 3
+    python utils/benchmark_model.py --sections profile --shapes configs/llama_tiny_deep.json:16:128 --dtypes float32
     python utils/benchmark_model.py --quick              # a tiny smoke run, seconds
 
-Writes <out>/model.csv, <out>/trainer.csv, <out>/layout.csv and <out>/benchmark.json (default out:
+Writes <out>/model.csv, trainer.csv, layout.csv, profile.csv and benchmark.json (default out:
 runs/benchmark_model).
 """
 
@@ -164,6 +167,39 @@ def model_section(args, before_module) -> list[dict]:
                              "dtype": dtype, "model": name, "mode": mode,
                              **{f"tokens_per_s_{k}": round(v, 1) for k, v in stats.items() if k != "n"},
                              "repeats": stats["n"], "per_repeat": [round(v, 1) for v in values]})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------- profile section
+def profile_section(args) -> list[dict]:
+    """Where our step's time goes: torch.profiler over --steps steps (after two warm-up steps) at the first of
+    --shapes, for each of --dtypes and --modes; the --profile_top ops with the most self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    config_name, batch, seq_len = args.shapes[0].split(":")
+    config_path = REPO / config_name if not Path(config_name).is_file() else Path(config_name)
+    rows = []
+    for dtype in args.dtypes:
+        for mode in args.modes:
+            model = build_models(config_path, ["ours"], None)["ours"]
+            tokens = torch.randint(0, model.config.vocab_size, (int(batch), int(seq_len)),
+                                   generator=torch.Generator().manual_seed(0))
+            runner = torch.compile(model, mode=args.compile_mode) if mode == "compiled" else model
+            step = make_step(runner, build_optimizer(model.parameters(), "adam", 1e-4, 0.0), tokens,
+                             autocast_for(dtype))
+            step()
+            step()
+            with profile(activities=[ProfilerActivity.CPU]) as profiler:
+                for _ in range(args.steps):
+                    step()
+            events = profiler.key_averages()
+            total = sum(event.self_cpu_time_total for event in events)
+            for event in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:args.profile_top]:
+                rows.append({"config": config_path.name, "batch": int(batch), "seq_len": int(seq_len),
+                             "dtype": dtype, "mode": mode, "op": event.key[:70],
+                             "self_ms_per_step": round(event.self_cpu_time_total / 1e3 / args.steps, 1),
+                             "share": round(event.self_cpu_time_total / total, 3),
+                             "calls_per_step": round(event.count / args.steps, 1)})
     return rows
 
 
@@ -330,13 +366,19 @@ def layout_section(args) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------- report
 def ratios(model_rows, trainer_rows, layout_rows=()) -> dict:
     out = {}
-    by_key = {(r["config"], r["dtype"], r["model"], r["mode"]): r["tokens_per_s_median"] for r in model_rows}
-    for (config, dtype, model, mode), rate in by_key.items():
+    by_key = {(r["config"], r["dtype"], r["model"], r["mode"]): r for r in model_rows}
+    for (config, dtype, model, mode), row in by_key.items():
         if model != "ours":
             continue
         for other in ("before", "hf"):
             if (config, dtype, other, mode) in by_key:
-                out[f"{config} {dtype} {mode}: ours/{other}"] = round(rate / by_key[(config, dtype, other, mode)], 3)
+                other_row = by_key[(config, dtype, other, mode)]
+                out[f"{config} {dtype} {mode}: ours/{other}"] = round(
+                    row["tokens_per_s_median"] / other_row["tokens_per_s_median"], 3)
+                # Repeats are interleaved, so repeat i of both ran under the same load: their ratio is paired.
+                paired = [a / b for a, b in zip(row["per_repeat"], other_row["per_repeat"])]
+                out[f"{config} {dtype} {mode}: ours/{other}, median of per-repeat ratios (min-max)"] = (
+                    f"{statistics.median(paired):.3f} ({min(paired):.3f}-{max(paired):.3f})")
     for config in {r["config"] for r in model_rows}:
         ours = [r for r in model_rows if r["config"] == config and r["model"] == "ours"]
         hf = [r for r in model_rows if r["config"] == config and r["model"] == "hf" and r["mode"] == "compiled"]
@@ -379,9 +421,11 @@ def write_csv(path: Path, rows):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sections", nargs="+", default=["model", "trainer"], choices=["model", "trainer", "layout"],
+    parser.add_argument("--sections", nargs="+", default=["model", "trainer"],
+                        choices=["model", "trainer", "layout", "profile"],
                         help="layout (not in the default): the study's runs side by side, one thread each, against "
-                             "one after another with all threads")
+                             "one after another with all threads; profile (not in the default): where our step's "
+                             "time goes, by op")
     parser.add_argument("--before", default="main", help="git revision whose model and trainer are 'before'")
     parser.add_argument("--shapes", nargs="+", default=[f"{STUDY_CONFIG}:16:128", "configs/llama_130m.json:1:256"],
                         help="config:batch:seq_len for the model section")
@@ -391,6 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compile_mode", default=None, help="torch.compile mode (default: torch's default)")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved timed repeats per variant")
     parser.add_argument("--steps", type=int, default=1, help="steps per timed repeat")
+    parser.add_argument("--profile_top", type=int, default=12, help="ops listed per variant by the profile section")
     parser.add_argument("--trainer_config", default=STUDY_CONFIG)
     parser.add_argument("--trainer_dtype", default=None, choices=["float32", "bfloat16", "mixed"],
                         help="default: the study's own dtype (float32 on CPU; see utils/compare_norms.py)")
@@ -425,7 +470,8 @@ def parse_args(argv=None):
             parser.error(f"--shapes {shape!r}: expected config:batch:seq_len")
         if not (REPO / parts[0]).is_file() and not Path(parts[0]).is_file():
             parser.error(f"--shapes {shape!r}: no such config {parts[0]}")
-    for name in ("repeats", "steps", "trainer_steps", "trainer_repeats", "trainer_threads", "layout_cores"):
+    for name in ("repeats", "steps", "profile_top", "trainer_steps", "trainer_repeats", "trainer_threads",
+                 "layout_cores"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} {getattr(args, name)}: must be at least 1")
     if args.trainer_warmup >= args.trainer_steps:
@@ -447,6 +493,7 @@ def main(argv=None):
     model_rows = model_section(args, before_module) if "model" in args.sections else []
     trainer_rows = trainer_section(args) if "trainer" in args.sections else []
     layout_rows = layout_section(args) if "layout" in args.sections else []
+    profile_rows = profile_section(args) if "profile" in args.sections else []
     summary = ratios(model_rows, trainer_rows, layout_rows)
     print("\nmodel step (tokens/s; median, min-max over interleaved repeats)")
     print_table(model_rows, ["config", "batch", "seq_len", "dtype", "model", "mode", "tokens_per_s_median",
@@ -457,14 +504,18 @@ def main(argv=None):
     print("\nlayout (total training tokens/s of the machine; median over repeats, min-max)")
     print_table(layout_rows, ["layout", "dtype", "total_tokens_per_s_median", "total_tokens_per_s_min",
                               "total_tokens_per_s_max"])
-    print("\nratios of medians")
+    print("\nprofile (our step; self CPU time per step, share of the step's total)")
+    print_table(profile_rows, ["dtype", "mode", "op", "self_ms_per_step", "share", "calls_per_step"])
+    print("\nratios")
     for key, value in summary.items():
         print(f"  {key}: {value}")
     write_csv(out / "model.csv", model_rows)
     write_csv(out / "trainer.csv", trainer_rows)
     write_csv(out / "layout.csv", layout_rows)
+    write_csv(out / "profile.csv", profile_rows)
     (out / "benchmark.json").write_text(json.dumps({**header, "model": model_rows, "trainer": trainer_rows,
-                                                    "layout": layout_rows, "ratios": summary}, indent=2))
+                                                    "layout": layout_rows, "profile": profile_rows,
+                                                    "ratios": summary}, indent=2))
     print(f"\nwrote {out / 'benchmark.json'}")
 
 

@@ -454,7 +454,7 @@ arm's loss is lower than the reference's with an interval that excludes zero, **
   ({'exact' if not s['jacobian_probes'] else f"{s['jacobian_probes']} random probes per token, unbiased"}); removal of
   each layer in turn (layer_remove.py --sweep, {s['removal_documents']} documents); the norm gains.
 - **Speed**: median {statistics.median(speeds) if speeds else float('nan'):,.0f} tokens/s per run
-  (one thread per run, {args.jobs} runs at a time).
+  (one thread per run, {args.jobs} runs at a time, {'torch.compile' if args.compile else 'eager'}).
 - **Machine**: {study_lib.machine_description()}; {study_lib.software_versions()}.
 
 ### Is the budget long enough, and not past overfitting?

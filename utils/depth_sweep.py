@@ -441,7 +441,7 @@ Deep = the deeper half of the layers.
   f"{s['jacobian_probes']} random probes per token"}), one-layer removal on {s['removal_documents']}
   held-out documents.
 - **Seeds**: {', '.join(map(str, s['seeds']))}, paired across norm types and depths.
-- **Speed** (median tokens/s per run, one thread): {', '.join(f"L={d}: {np.median(v):,.0f}" for d, v in speeds.items() if v)}.
+- **Speed** (median tokens/s per run, one thread, {'torch.compile' if args.compile else 'eager'}): {', '.join(f"L={d}: {np.median(v):,.0f}" for d, v in speeds.items() if v)}.
 - **Machine**: {study_lib.machine_description()}; {study_lib.software_versions()}.
 
 Raw numbers: one JSON record per run in `runs/`, and `summary{suffix}.json`.

@@ -93,6 +93,10 @@ def add_study_arguments(parser: argparse.ArgumentParser, budgets: dict) -> None:
                         help="start no new run after this many hours; the next invocation continues")
     parser.add_argument("--report_only", action="store_true", help="write the report from the saved records")
     parser.add_argument("--fresh", action="store_true", help="retrain and re-analyse even where records exist")
+    parser.add_argument("--compile", action="store_true",
+                        help="train every run with torch.compile: on the 2-core CPU about 1.3x the tokens/s per "
+                             "update for about a minute of compilation per run, so it pays off beyond about 150 "
+                             "updates (docs/benchmarks.md); its runs are distinct records from eager ones")
 
 
 def resolve_study_args(parser: argparse.ArgumentParser, args, budgets: dict) -> None:
@@ -117,6 +121,8 @@ def collect_records(args, specs: list[RunSpec]) -> tuple[dict[str, dict], list[R
     """The records of every spec: read back (--report_only), or made by running the jobs that have none."""
     settings = analysis_settings(args.settings)
     records_dir = args.out / "runs"
+    if args.compile:  # part of each run's flags, so compiled and eager runs never stand in for each other
+        specs = [dataclasses.replace(spec, train_flags=(*spec.train_flags, "--compile")) for spec in specs]
     if args.report_only:
         records = load_records(specs, settings, records_dir)
         return records, [spec for spec in specs if spec.name not in records]
