@@ -499,8 +499,8 @@ def main(argv=None):
     print_table(model_rows, ["config", "batch", "seq_len", "dtype", "model", "mode", "tokens_per_s_median",
                              "tokens_per_s_min", "tokens_per_s_max"])
     print("\ntrainer (tokens/s from metrics.jsonl; median over runs of the per-run median)")
-    print_table(trainer_rows, ["tree", "variant", "study_flags_of", "dtype", "packing", "threads", "tokens_per_s_median", "tokens_per_s_min",
-                               "tokens_per_s_max", "wall_s_median"])
+    print_table(trainer_rows, ["tree", "variant", "study_flags_of", "dtype", "packing", "threads",
+                               "tokens_per_s_median", "tokens_per_s_min", "tokens_per_s_max", "wall_s_median"])
     print("\nlayout (total training tokens/s of the machine; median over repeats, min-max)")
     print_table(layout_rows, ["layout", "dtype", "total_tokens_per_s_median", "total_tokens_per_s_min",
                               "total_tokens_per_s_max"])
