@@ -95,8 +95,8 @@ def add_study_arguments(parser: argparse.ArgumentParser, budgets: dict) -> None:
     parser.add_argument("--fresh", action="store_true", help="retrain and re-analyse even where records exist")
     parser.add_argument("--compile", action="store_true",
                         help="train every run with torch.compile: on the 2-core CPU about 1.3x the tokens/s per "
-                             "update for about a minute of compilation per run, so it pays off beyond about 150 "
-                             "updates (docs/benchmarks.md); its runs are distinct records from eager ones")
+                             "update, for 1-2 minutes of compilation in a configuration's first run and about 10 s "
+                             "in later ones (docs/benchmarks.md); its runs are distinct records from eager ones")
 
 
 def resolve_study_args(parser: argparse.ArgumentParser, args, budgets: dict) -> None:
