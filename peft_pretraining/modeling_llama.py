@@ -180,23 +180,20 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE tables, recomputed per (length, device, dtype); no buffers, so building on the meta device is safe."""
+    """RoPE tables, computed in every forward: a few thousand elements, so a cache saves nothing, and a cache filled
+    while torch.compile traces forces a recompile on the next call. No buffers: building on the meta device is safe."""
 
     def __init__(self, head_dim: int, base: float):
         super().__init__()
         self.head_dim = head_dim
         self.base = base
-        self._cache: dict = {}
 
     def forward(self, seq_len: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (seq_len, str(device), dtype)
-        if key not in self._cache:
-            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
-            inv_freq = 1.0 / (self.base**exponents)
-            angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
-            angles = torch.cat((angles, angles), dim=-1)
-            self._cache = {key: (angles.cos().to(dtype), angles.sin().to(dtype))}
-        return self._cache[key]
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
+        inv_freq = 1.0 / (self.base**exponents)
+        angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
