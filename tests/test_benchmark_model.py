@@ -115,6 +115,22 @@ def test_ratios_pair_the_interleaved_repeats():
     assert out["c.json float32 compiled: ours/hf, median of per-repeat ratios (min-max)"] == "1.000 (0.500-4.000)"
 
 
+def test_fastest_against_fastest_looks_across_dtypes_and_hf_attention():
+    """The target compares our fastest configuration with HF's fastest compiled one, whichever dtype and HF attention
+    implementation that is; HF's eager-mode rows are not candidates."""
+    def row(model, dtype, mode, rate):
+        return {"config": "c.json", "dtype": dtype, "model": model, "mode": mode, "tokens_per_s_median": rate,
+                "per_repeat": [rate]}
+
+    rows = [row("ours", "float32", "compiled", 300.0), row("ours", "mixed", "compiled", 600.0),
+            row("hf", "mixed", "compiled", 350.0), row("hf_eager_attn", "mixed", "compiled", 400.0),
+            row("hf", "float32", "compiled", 500.0), row("hf", "mixed", "eager", 900.0)]
+    out = benchmark_model.ratios(rows, [])
+    assert out["c.json any dtype: ours fastest (mixed compiled) / hf fastest compiled (hf float32)"] == 1.2
+    assert out["c.json mixed: ours fastest (mixed compiled) / hf fastest compiled (hf_eager_attn mixed)"] == 1.5
+    assert out["c.json float32: ours fastest (float32 compiled) / hf fastest compiled (hf float32)"] == 0.6
+
+
 def test_quick_profile_lists_the_costliest_ops_of_each_variant(tmp_path):
     benchmark_model.main(["--quick", "--sections", "profile", "--dtypes", "float32", "--profile_top", "5",
                           "--out", str(tmp_path)])
