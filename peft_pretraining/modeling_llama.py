@@ -23,14 +23,12 @@ keeps what it was trained with after another layer is removed.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import GenerationMixin, LlamaConfig, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutput
@@ -205,19 +203,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
-# The one place where the attention kernel depends on the device. Measured fwd+bwd on a 2-core AVX-512 CPU
-# (docs/benchmarks.md): under bf16 the CPU flash kernel is about 1.6-2.5x slower than SDPA's math backend at
-# 128-256 tokens and about even at 512, and faster at 1024; in fp32 flash wins. CUDA keeps torch's own choice
-# (flash / cuDNN / efficient).
-CPU_MATH_SDPA_MAX_LEN = 512
+# The one place where the attention kernel depends on the device. Measured fwd+bwd on 2-core AVX-512 CPUs
+# (docs/benchmarks.md, `benchmark_model.py --sections attention`): in bf16 up to 256 tokens, plain matmuls with an
+# fp32 softmax are as fast as SDPA's math backend or faster, and 1.5-2.5x faster than its CPU flash kernel; at 512
+# flash wins, and in fp32 flash wins. CUDA keeps SDPA with torch's own choice (flash / cuDNN / efficient).
+CPU_PLAIN_ATTENTION_MAX_LEN = 256
 
 
-def sdpa_kernel_for(q: torch.Tensor, seq_len: int):
-    """A context restricting SDPA to the kernel measured fastest for this device, compute dtype and length."""
-    if q.device.type != "cpu" or seq_len > CPU_MATH_SDPA_MAX_LEN:
-        return contextlib.nullcontext()
+def uses_plain_attention(q: torch.Tensor, seq_len: int) -> bool:
+    """Whether attention runs as plain matmuls (CPU, bf16/fp16 compute, short sequences) rather than through SDPA."""
+    if q.device.type != "cpu" or seq_len > CPU_PLAIN_ATTENTION_MAX_LEN:
+        return False
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
-    return sdpa_kernel(SDPBackend.MATH) if dtype in (torch.bfloat16, torch.float16) else contextlib.nullcontext()
+    return dtype in (torch.bfloat16, torch.float16)
+
+
+def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(head_dim), causal or `mask`) v, the function SDPA computes; softmax in fp32 or wider."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # grouped-query attention: each key/value head serves `groups` consecutive query heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if mask is None:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    softmax_dtype = torch.promote_types(scores.dtype, torch.float32)  # at least fp32
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=softmax_dtype)
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 class Attention(nn.Module):
@@ -239,7 +250,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        with sdpa_kernel_for(q, seq_len):
+        if uses_plain_attention(q, seq_len):
+            out = plain_attention(q, k, v, mask)
+        else:
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.num_kv_heads != self.num_heads
             )

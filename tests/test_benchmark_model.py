@@ -17,7 +17,7 @@ def test_quick_model_benchmark_writes_every_variant(tmp_path):
 
 
 @pytest.mark.parametrize("flag, value", [("--shapes", "configs/llama_tiny.json:2"), ("--before", "no-such-rev"),
-                                         ("--repeats", "0")])
+                                         ("--repeats", "0"), ("--attention_shapes", "2:2:16")])
 def test_bad_flags_exit_2(flag, value, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         benchmark_model.main([flag, value, "--out", str(tmp_path)])
@@ -129,6 +129,15 @@ def test_fastest_against_fastest_looks_across_dtypes_and_hf_attention():
     assert out["c.json any dtype: ours fastest (mixed compiled) / hf fastest compiled (hf float32)"] == 1.2
     assert out["c.json mixed: ours fastest (mixed compiled) / hf fastest compiled (hf_eager_attn mixed)"] == 1.5
     assert out["c.json float32: ours fastest (float32 compiled) / hf fastest compiled (hf float32)"] == 0.6
+
+
+def test_quick_attention_section_times_every_kernel(tmp_path):
+    benchmark_model.main(["--quick", "--sections", "attention", "--dtypes", "float32", "mixed", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "benchmark.json").read_text())["attention"]
+    assert {(row["dtype"], row["kernel"]) for row in rows} == {
+        (d, k) for d in ("float32", "mixed") for k in benchmark_model.ATTENTION_KERNELS}
+    assert all(0 < row["ms_min"] <= row["ms_median"] <= row["ms_max"] for row in rows)
+    assert (tmp_path / "attention.csv").read_text().startswith("shape,")
 
 
 def test_quick_profile_lists_the_costliest_ops_of_each_variant(tmp_path):

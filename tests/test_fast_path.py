@@ -1,7 +1,7 @@
 """The fast training step computes what the plain path computes.
 
 Fast path: the trainer drops the attention mask of a right-padded batch (SDPA's is_causal), and on CPU under bf16
-the model picks SDPA's math kernel. Reference: stock HF Llama with eager attention, given the padding mask, with
+the model computes attention as plain matmuls instead of SDPA. Reference: stock HF Llama with eager attention, given the padding mask, with
 identical weights.
 """
 import contextlib
@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
+from peft_pretraining import modeling_llama
 from peft_pretraining.dataloader import IGNORE_INDEX
 from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config
 from torchrun_main import causal_mask_suffices
@@ -133,7 +134,7 @@ def test_compiled_model_has_no_graph_break():
         assert explanation.graph_break_count == 0, explanation.break_reasons
 
 
-@pytest.mark.parametrize("dtype, expected_kernel", [("mixed", "math"), ("float32", "flash")])
+@pytest.mark.parametrize("dtype, expected_kernel", [("mixed", "plain"), ("float32", "flash")])
 def test_cpu_attention_kernel_follows_dtype(dtype, expected_kernel):
     model = LlamaForCausalLM(build_config(TINY)).train()
     inputs = {k: v for k, v in batch(padded=False).items() if k != "attention_mask"}
@@ -141,5 +142,24 @@ def test_cpu_attention_kernel_follows_dtype(dtype, expected_kernel):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile, autocast:
         model(**inputs).loss.backward()
     ops = {event.key for event in profile.key_averages()}
+    used_sdpa = any("scaled_dot_product" in op for op in ops)
     used_flash = any("flash_attention" in op for op in ops)
     assert used_flash == (expected_kernel == "flash"), sorted(op for op in ops if "attention" in op)
+    assert used_sdpa == (expected_kernel != "plain"), sorted(op for op in ops if "attention" in op)
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2])
+@pytest.mark.parametrize("masked", [False, True])
+def test_plain_attention_is_sdpa(num_kv_heads, masked):
+    """The CPU bf16 path computes SDPA's function: in fp64, with and without a padding mask, with grouped KV heads."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 9, 8, dtype=torch.float64, generator=generator)
+    k, v = (torch.randn(2, num_kv_heads, 9, 8, dtype=torch.float64, generator=generator) for _ in range(2))
+    mask = None
+    if masked:
+        keep = torch.ones(2, 9, dtype=torch.bool)
+        keep[1, :3] = False  # left padding, so rows of the second sequence differ from the causal-only result
+        mask = modeling_llama._attention_mask(keep, 9, "cpu")
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=num_kv_heads != 4)
+    torch.testing.assert_close(modeling_llama.plain_attention(q, k, v, mask), expected, rtol=1e-12, atol=1e-12)

@@ -1,6 +1,6 @@
 """Training-step throughput: our model now, our model at a git revision ("before"), and transformers' Llama.
 
-Four sections; the first three print the median and the spread (min-max) of every figure:
+Five sections; all but profile print the median and the spread (min-max) of every figure:
 
 * model: one step = forward + loss + backward + grad clipping 1.0 + fused Adam, on random tokens (no padding).
   Each model runs eager and through torch.compile, in fp32 and under bf16 autocast with fp32 weights ("mixed").
@@ -19,15 +19,18 @@ Four sections; the first three print the median and the spread (min-max) of ever
   total tokens/s.
 * profile: where our model's step spends its time, op by op (torch.profiler, self CPU time), at the first of
   --shapes, for each of --dtypes and --modes.
+* attention: causal attention alone, forward + backward, as plain matmuls (the model's CPU bf16 path) against SDPA's
+  math and flash backends, at --attention_shapes, for each of --dtypes: the evidence for the model's kernel choice.
 
     python utils/benchmark_model.py                      # model and trainer, study shape and 130M (long on 2 cores)
     python utils/benchmark_model.py --sections trainer --trainer_repeats 3
     python utils/benchmark_model.py --sections trainer --before b036de4 --before_flags own   # the study then vs now
     python utils/benchmark_model.py --sections layout --trainer_steps 20 --trainer_repeats 3
     python utils/benchmark_model.py --sections profile --shapes configs/llama_tiny_deep.json:16:128 --dtypes float32
+    OMP_NUM_THREADS=1 python utils/benchmark_model.py --sections attention --dtypes mixed float32 --steps 10 --repeats 7
     python utils/benchmark_model.py --quick              # a tiny smoke run, seconds
 
-Writes <out>/model.csv, trainer.csv, layout.csv, profile.csv and benchmark.json (default out:
+Writes <out>/model.csv, trainer.csv, layout.csv, profile.csv, attention.csv and benchmark.json (default out:
 runs/benchmark_model).
 """
 
@@ -50,6 +53,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM  # noqa: E402
@@ -208,6 +212,53 @@ def profile_section(args) -> list[dict]:
                              "self_ms_per_step": round(event.self_cpu_time_total / 1e3 / args.steps, 1),
                              "share": round(event.self_cpu_time_total / total, 3),
                              "calls_per_step": round(event.count / args.steps, 1)})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------- attention section
+ATTENTION_KERNELS = ("plain", "sdpa_math", "sdpa_flash")
+
+
+def attention_section(args) -> list[dict]:
+    """The evidence for the model's CPU kernel choice: causal attention alone, forward + backward, as plain matmuls
+    (the model's CPU bf16 path) and through SDPA restricted to its math or flash backend, for each of --dtypes and
+    --attention_shapes (B:H:T:D), --repeats interleaved repeats of --steps calls each."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def kernel_call(kernel, q, k, v):
+        if kernel == "plain":
+            return modeling_llama.plain_attention(q, k, v, None)
+        backend = SDPBackend.MATH if kernel == "sdpa_math" else SDPBackend.FLASH_ATTENTION
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    rows = []
+    for shape in args.attention_shapes:
+        b, h, t, d = (int(x) for x in shape.split(":"))
+        generator = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(b, h, t, d, generator=generator, requires_grad=True) for _ in range(3))
+        for dtype in args.dtypes:
+            autocast = autocast_for(dtype)
+
+            def call(kernel):
+                with autocast():
+                    out = kernel_call(kernel, q, k, v)
+                out.float().sum().backward()
+
+            times = {kernel: [] for kernel in ATTENTION_KERNELS}
+            for kernel in ATTENTION_KERNELS:
+                call(kernel)  # warm-up
+            for _ in tqdm(range(args.repeats), desc=f"attention {shape} {dtype}", leave=False):
+                for kernel in ATTENTION_KERNELS:
+                    start = time.perf_counter()
+                    for _ in range(args.steps):
+                        call(kernel)
+                    times[kernel].append((time.perf_counter() - start) / args.steps * 1e3)
+            for kernel, values in times.items():
+                stats = spread(values)
+                rows.append({"shape": shape, "dtype": dtype, "kernel": kernel,
+                             **{f"ms_{key}": round(value, 2) for key, value in stats.items() if key != "n"},
+                             "repeats": stats["n"]})
     return rows
 
 
@@ -436,7 +487,7 @@ def write_csv(path: Path, rows):
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", nargs="+", default=["model", "trainer"],
-                        choices=["model", "trainer", "layout", "profile"],
+                        choices=["model", "trainer", "layout", "profile", "attention"],
                         help="layout (not in the default): the study's runs side by side, one thread each, against "
                              "one after another with all threads; profile (not in the default): where our step's "
                              "time goes, by op")
@@ -449,6 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compile_mode", default=None, help="torch.compile mode (default: torch's default)")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved timed repeats per variant")
     parser.add_argument("--steps", type=int, default=1, help="steps per timed repeat")
+    parser.add_argument("--attention_shapes", nargs="+", default=["16:4:128:32", "1:12:256:64", "4:4:512:32"],
+                        help="B:H:T:D shapes for the attention section (default: the study's, 130M's, 512 tokens)")
     parser.add_argument("--profile_top", type=int, default=12, help="ops listed per variant by the profile section")
     parser.add_argument("--trainer_config", default=STUDY_CONFIG)
     parser.add_argument("--trainer_dtype", default=None, choices=["float32", "bfloat16", "mixed"],
@@ -478,12 +531,17 @@ def parse_args(argv=None):
         args.shapes, args.modes, args.repeats, args.steps = ["configs/llama_tiny.json:2:32"], ["eager"], 1, 1
         args.trainer_config, args.trainer_steps, args.trainer_warmup = "configs/llama_tiny.json", 3, 1
         args.trainer_repeats, args.trainer_variants = 1, ["eager"]
+        args.attention_shapes = ["2:2:16:8"]
     for shape in args.shapes:
         parts = shape.split(":")
         if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
             parser.error(f"--shapes {shape!r}: expected config:batch:seq_len")
         if not (REPO / parts[0]).is_file() and not Path(parts[0]).is_file():
             parser.error(f"--shapes {shape!r}: no such config {parts[0]}")
+    for shape in args.attention_shapes:
+        parts = shape.split(":")
+        if len(parts) != 4 or not all(part.isdigit() and int(part) > 0 for part in parts):
+            parser.error(f"--attention_shapes {shape!r}: expected four positive integers B:H:T:D")
     for name in ("repeats", "steps", "profile_top", "trainer_steps", "trainer_repeats", "trainer_threads",
                  "layout_cores"):
         if getattr(args, name) < 1:
@@ -508,6 +566,7 @@ def main(argv=None):
     trainer_rows = trainer_section(args) if "trainer" in args.sections else []
     layout_rows = layout_section(args) if "layout" in args.sections else []
     profile_rows = profile_section(args) if "profile" in args.sections else []
+    attention_rows = attention_section(args) if "attention" in args.sections else []
     summary = ratios(model_rows, trainer_rows, layout_rows)
     print("\nmodel step (tokens/s; median, min-max over interleaved repeats)")
     print_table(model_rows, ["config", "batch", "seq_len", "dtype", "model", "mode", "tokens_per_s_median",
@@ -520,6 +579,8 @@ def main(argv=None):
                               "total_tokens_per_s_max"])
     print("\nprofile (our step; self CPU time per step, share of the step's total)")
     print_table(profile_rows, ["dtype", "mode", "op", "self_ms_per_step", "share", "calls_per_step"])
+    print("\nattention alone (ms per forward + backward; median, min-max over interleaved repeats)")
+    print_table(attention_rows, ["shape", "dtype", "kernel", "ms_median", "ms_min", "ms_max"])
     print("\nratios")
     for key, value in summary.items():
         print(f"  {key}: {value}")
@@ -527,9 +588,10 @@ def main(argv=None):
     write_csv(out / "trainer.csv", trainer_rows)
     write_csv(out / "layout.csv", layout_rows)
     write_csv(out / "profile.csv", profile_rows)
+    write_csv(out / "attention.csv", attention_rows)
     (out / "benchmark.json").write_text(json.dumps({**header, "model": model_rows, "trainer": trainer_rows,
                                                     "layout": layout_rows, "profile": profile_rows,
-                                                    "ratios": summary}, indent=2))
+                                                    "attention": attention_rows, "ratios": summary}, indent=2))
     print(f"\nwrote {out / 'benchmark.json'}")
 
 

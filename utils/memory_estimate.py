@@ -114,7 +114,7 @@ def _training_model(config, dtype: str, activation_checkpointing: bool):
 def measure_saved_bytes(config, dtype: str, batch: int, seq_len: int, activation_checkpointing: bool) -> int:
     """Bytes autograd saves for backward in one forward on CPU, each storage counted once, parameters excluded.
 
-    Attention runs on SDPA's flash kernel, as on a GPU: the CPU's bf16 choice (the math kernel) would also save the
+    Attention runs on SDPA's flash kernel, as on a GPU: the CPU's bf16 choice (plain matmuls) would also save the
     attention probabilities, which the GPU estimate rightly leaves out."""
     model = _training_model(config, dtype, activation_checkpointing)
     own = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -127,7 +127,7 @@ def measure_saved_bytes(config, dtype: str, batch: int, seq_len: int, activation
         return tensor
 
     tokens = torch.randint(0, config.vocab_size, (batch, seq_len))
-    gpu_kernel = mock.patch.object(modeling_llama, "CPU_MATH_SDPA_MAX_LEN", 0)
+    gpu_kernel = mock.patch.object(modeling_llama, "CPU_PLAIN_ATTENTION_MAX_LEN", 0)
     with gpu_kernel, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "mixed"):
             loss = model(input_ids=tokens, labels=tokens).loss
