@@ -1,8 +1,8 @@
 """The fast training step computes what the plain path computes.
 
 Fast path: the trainer drops the attention mask of a right-padded batch (SDPA's is_causal), and on CPU under bf16
-the model computes attention as plain matmuls instead of SDPA. Reference: stock HF Llama with eager attention, given the padding mask, with
-identical weights.
+the model computes attention as plain matmuls instead of SDPA. Reference: stock HF Llama with eager attention, given
+the padding mask, with identical weights.
 """
 import contextlib
 from pathlib import Path

@@ -40,7 +40,6 @@ import csv
 import importlib.util
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -61,6 +60,7 @@ from transformers import LlamaForCausalLM as HFLlamaForCausalLM  # noqa: E402
 from peft_pretraining import modeling_llama  # noqa: E402
 from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
 from peft_pretraining.training_utils import build_optimizer  # noqa: E402
+from utils.study_lib import cpu_model_name  # noqa: E402
 
 STUDY_CONFIG = "configs/llama_tiny_deep.json"
 MODELS = ("ours", "before", "hf", "hf_eager_attn")
@@ -91,12 +91,9 @@ def spread(values: list[float]) -> dict:
 
 
 def machine() -> str:
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    fields = dict(line.split(":", 1) for line in cpuinfo.split("\n\n")[0].splitlines() if ":" in line)
-    fields = {key.strip(): value.strip() for key, value in fields.items()}
-    bf16_hw = [f for f in ("avx512_bf16", "amx_bf16") if f in fields.get("flags", "").split()]
-    cpu = fields.get("model name") or platform.processor() or platform.machine()
-    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
+    flags = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0] if Path("/proc/cpuinfo").exists() else ""
+    bf16_hw = [f for f in ("avx512_bf16", "amx_bf16") if f in flags.split()]
+    return (f"{cpu_model_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
             f"threads {torch.get_num_threads()}, bf16 hardware: {', '.join(bf16_hw) or 'none'}, "
             f"load average {os.getloadavg()[0]:.1f}")
 

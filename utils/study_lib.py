@@ -619,14 +619,17 @@ def software_versions() -> str:
     return ", ".join(f"{n} {md.version(n)}" for n in names)
 
 
-def machine_description() -> str:
-    cpu = platform.processor() or "unknown CPU"
+def cpu_model_name() -> str:
+    """The CPU's model name from /proc/cpuinfo, else what the platform module knows."""
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return f"{platform.machine()}, {cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def machine_description() -> str:
+    return f"{platform.machine()}, {cpu_model_name()}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
 def embedded_train_tokens() -> int:
