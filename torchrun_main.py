@@ -195,6 +195,8 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
             tqdm.write(message)
 
     training_utils.seed_everything(args.seed)
+    if device.type == "cpu" and training_utils.keep_freed_host_memory():
+        log("host memory: freed tensors stay with the process for reuse (no fresh page faults each step)")
     with user_errors():
         tokenizer = load_tokenizer(args.tokenizer)
     config = build_model_config(args, tokenizer, log)

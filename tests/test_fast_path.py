@@ -2,9 +2,14 @@
 
 Fast path: the trainer drops the attention mask of a right-padded batch (SDPA's is_causal), and on CPU under bf16
 the model computes attention as plain matmuls instead of SDPA. Reference: stock HF Llama with eager attention, given
-the padding mask, with identical weights.
+the padding mask, with identical weights. On CPU the trainer also keeps freed host memory for reuse, so a step does
+not page-fault its large buffers anew; that changes no number, and its test counts page faults.
 """
 import contextlib
+import os
+import platform
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -163,3 +168,33 @@ def test_plain_attention_is_sdpa(num_kv_heads, masked):
     expected = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=num_kv_heads != 4)
     torch.testing.assert_close(modeling_llama.plain_attention(q, k, v, mask), expected, rtol=1e-12, atol=1e-12)
+
+
+REUSE_PROBE = """
+import resource, sys, torch
+from peft_pretraining.training_utils import keep_freed_host_memory
+kept = keep_freed_host_memory() if sys.argv[1] == "keep" else None
+for _ in range(3):  # a step's large buffer: allocated, written, freed, again and again
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.empty(16 * 2**20, dtype=torch.float32).fill_(1.0)  # 64 MiB, 16384 pages of 4 KiB
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start
+print(kept, faults)
+"""
+
+
+def reuse_probe(mode: str, **env) -> tuple[str, int]:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    result = subprocess.run([sys.executable, "-c", REUSE_PROBE, mode], capture_output=True, text=True, cwd=REPO,
+                            env={**environment, **env}, check=True)
+    kept, faults = result.stdout.split()
+    return kept, int(faults)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator only")
+def test_freed_host_memory_is_reused_without_new_page_faults():
+    kept, faults = reuse_probe("keep")
+    assert kept == "True"
+    assert faults < 1024, f"{faults} page faults for a 64 MiB buffer allocated the third time"
+    # The environment's malloc settings win: the function then leaves the allocator as it is.
+    kept, _ = reuse_probe("keep", MALLOC_TRIM_THRESHOLD_="131072")
+    assert kept == "False"

@@ -22,6 +22,9 @@ Five sections; all but profile print the median and the spread (min-max) of ever
 * attention: causal attention alone, forward + backward, as plain matmuls (the model's CPU bf16 path) against SDPA's
   math and flash backends, at --attention_shapes, for each of --dtypes: the evidence for the model's kernel choice.
 
+The in-process sections run with freed host memory kept for reuse, as the trainer runs on CPU
+(`training_utils.keep_freed_host_memory`); the header says whether it took effect.
+
     python utils/benchmark_model.py                      # model and trainer, study shape and 130M (long on 2 cores)
     python utils/benchmark_model.py --sections trainer --trainer_repeats 3
     python utils/benchmark_model.py --sections trainer --before b036de4 --before_flags own   # the study then vs now
@@ -59,7 +62,7 @@ from transformers import LlamaForCausalLM as HFLlamaForCausalLM  # noqa: E402
 
 from peft_pretraining import modeling_llama  # noqa: E402
 from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
-from peft_pretraining.training_utils import build_optimizer  # noqa: E402
+from peft_pretraining.training_utils import build_optimizer, keep_freed_host_memory  # noqa: E402
 from utils.study_lib import cpu_model_name  # noqa: E402
 
 STUDY_CONFIG = "configs/llama_tiny_deep.json"
@@ -556,9 +559,12 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     before_module = load_model_module(args.before) if "before" in args.models else None
-    header = {"machine": machine(), "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+    # As the trainer does on CPU; it serves every model of a section alike.
+    host_memory = "freed memory kept for reuse" if keep_freed_host_memory() else "allocator as configured"
+    header = {"machine": machine(), "host_memory": host_memory,
+              "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
               "before": args.before, "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
-    print(f"machine: {header['machine']}", flush=True)
+    print(f"machine: {header['machine']}; host memory: {host_memory}", flush=True)
     model_rows = model_section(args, before_module) if "model" in args.sections else []
     trainer_rows = trainer_section(args) if "trainer" in args.sections else []
     layout_rows = layout_section(args) if "layout" in args.sections else []
