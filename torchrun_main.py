@@ -196,7 +196,8 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
 
     training_utils.seed_everything(args.seed)
     if device.type == "cpu" and training_utils.keep_freed_host_memory():
-        log("host memory: freed tensors stay with the process for reuse (no fresh page faults each step)")
+        log("host memory: freed tensors stay with the process for reuse, so steps do not page-fault anew "
+            "(more resident memory; MALLOC_MMAP_THRESHOLD_=131072 in the environment opts out)")
     with user_errors():
         tokenizer = load_tokenizer(args.tokenizer)
     config = build_model_config(args, tokenizer, log)
