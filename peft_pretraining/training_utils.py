@@ -245,9 +245,9 @@ def keep_freed_host_memory() -> bool:
 
     By default every tensor above a threshold (at most 32 MiB) gets fresh pages from mmap and returns them when freed,
     so a CPU step page-faults its logits, their gradient and every other large buffer anew each time: about 20 ms per
-    32 MiB on the 2-core hosts, where keeping freed memory made the trainer 8-15% faster (docs/benchmarks.md). Memory
-    then stays at the step's peak, which the next step reaches anyway. Results are unchanged: only where memory comes
-    from changes.
+    32 MiB on the 2-core hosts, where keeping freed memory made the trainer 8-15% faster (docs/benchmarks.md). The
+    cost is resident memory (a study-shaped run: 1.7 GiB peak against 1.2). Results are unchanged: only where memory
+    comes from changes.
     Left alone when the environment already sets malloc (those variables win), and where libc is not glibc.
     """
     if any(name in os.environ for name in _MALLOC_ENVIRONMENT):

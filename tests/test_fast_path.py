@@ -192,8 +192,8 @@ print(kept, sum(faults[-8:]))  # the steady state: the last 8 steps
 
 def reuse_probe(mode: str, steps: int = 16, **env) -> tuple[str, int]:
     environment = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
-    result = subprocess.run([sys.executable, "-c", REUSE_PROBE, mode, str(steps)], capture_output=True, text=True, cwd=REPO,
-                            env={**environment, **env, "OMP_NUM_THREADS": "1"}, check=True)
+    result = subprocess.run([sys.executable, "-c", REUSE_PROBE, mode, str(steps)], capture_output=True, text=True,
+                            cwd=REPO, env={**environment, **env, "OMP_NUM_THREADS": "1"}, check=True)
     kept, faults = result.stdout.split()
     return kept, int(faults)
 
