@@ -149,3 +149,20 @@ def test_quick_profile_lists_the_costliest_ops_of_each_variant(tmp_path):
     assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1.0
     assert "aten::mm" in {row["op"] for row in rows}  # a training step's matmuls are among its costliest ops
     assert (tmp_path / "profile.csv").read_text().startswith("config,")
+
+
+@pytest.mark.parametrize("cpuinfo, model_name, bf16_hardware", [
+    ("processor\t: 0\nmodel name\t: Some x86 CPU\nflags\t\t: fpu sse2 avx512_bf16 amx_bf16\n", "Some x86 CPU",
+     "avx512_bf16, amx_bf16"),
+    ("processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd bf16\nCPU implementer\t: 0x41\n", None, "none"),  # aarch64
+])
+def test_machine_header_reads_cpuinfo_of_any_architecture(tmp_path, monkeypatch, cpuinfo, model_name, bf16_hardware):
+    from pathlib import Path
+
+    from utils import study_lib
+
+    fake = tmp_path / "cpuinfo"
+    fake.write_text(cpuinfo)
+    monkeypatch.setattr(study_lib, "Path", lambda path: fake if str(path) == "/proc/cpuinfo" else Path(path))
+    assert study_lib.cpuinfo_field("model name") == model_name
+    assert f"bf16 hardware: {bf16_hardware}," in benchmark_model.machine()

@@ -619,13 +619,19 @@ def software_versions() -> str:
     return ", ".join(f"{n} {md.version(n)}" for n in names)
 
 
-def cpu_model_name() -> str:
-    """The CPU's model name from /proc/cpuinfo, else what the platform module knows."""
+def cpuinfo_field(name: str) -> str | None:
+    """The first `name : value` of /proc/cpuinfo ("model name", "flags", ...); None where there is none."""
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
+            key, colon, value = line.partition(":")
+            if colon and key.strip() == name:
+                return value.strip()
+    return None
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name from /proc/cpuinfo, else what the platform module knows."""
+    return cpuinfo_field("model name") or platform.processor() or "unknown CPU"
 
 
 def machine_description() -> str:
