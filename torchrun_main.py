@@ -106,6 +106,9 @@ def build_model_config(args, tokenizer, log):
     config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     if tokenizer.bos_token_id is not None:
         config.bos_token_id = tokenizer.bos_token_id
+    if args.max_length > config.max_position_embeddings:
+        raise BadInput(f"--max_length {args.max_length}: longer than the model's max_position_embeddings "
+                       f"{config.max_position_embeddings} ({args.model_config})")
     # Evaluation tools stay inside the context the model was trained at (utils/model_io.resolve_context_length).
     config.train_max_length = args.max_length
     return config
@@ -252,6 +255,7 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
     train_model = wrap_model(model, args, world_size, device)
     if meta_init:
         train_model.to_empty(device=device)  # this rank's shards only; load_sharded below fills them
+        model.model.rotary_emb.reset_tables()  # a non-persistent buffer, in no checkpoint
     if args.compile:
         train_model = torch.compile(train_model)  # the uncompiled `model` shares its weights: saving is unchanged
     optimizer = training_utils.build_optimizer(train_model.parameters(), args.optimizer, args.lr, args.weight_decay)

@@ -178,20 +178,37 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE tables, computed in every forward: a few thousand elements, so a cache saves nothing, and a cache filled
-    while torch.compile traces forces a recompile on the next call. No buffers: building on the meta device is safe."""
+    """RoPE's cos and sin tables for positions 0 .. max_positions - 1, computed once and kept as non-persistent
+    buffers (not in checkpoints). Tables built inside forward are index arithmetic that torch.compile inlines into
+    every consumer: inductor then evaluated cos and sin for every element of q and k in every layer, forward and
+    backward, about 12% of the compiled CPU step (docs/benchmarks.md)."""
 
-    def __init__(self, head_dim: int, base: float):
+    def __init__(self, head_dim: int, base: float, max_positions: int):
         super().__init__()
-        self.head_dim = head_dim
-        self.base = base
+        self.head_dim, self.base, self.max_positions = head_dim, base, max_positions
+        cos, sin = self.compute_tables()
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, seq_len: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def compute_tables(self, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
         inv_freq = 1.0 / (self.base**exponents)
-        angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+        angles = torch.outer(torch.arange(self.max_positions, device=device, dtype=torch.float32), inv_freq)
         angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return angles.cos(), angles.sin()
+
+    @torch.no_grad()
+    def reset_tables(self):
+        """Refills the tables in place, as after to_empty() from the meta device: they are in no checkpoint."""
+        cos, sin = self.compute_tables(self.cos.device)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
+
+    def forward(self, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if seq_len > self.max_positions:
+            raise ValueError(f"sequence length {seq_len} exceeds the model's max_position_embeddings "
+                             f"{self.max_positions}")
+        return self.cos[:seq_len].to(dtype), self.sin[:seq_len].to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -487,6 +504,8 @@ class LlamaPreTrainedModel(PreTrainedModel):
             init.zeros_(module.bias)
         elif isinstance(module, GatedPreNorm):
             init.constant_(module.gain, module.init_value)
+        elif isinstance(module, RotaryEmbedding):
+            module.reset_tables()
 
 
 class LlamaModel(LlamaPreTrainedModel):
@@ -498,14 +517,14 @@ class LlamaModel(LlamaPreTrainedModel):
         # Applied after every variant, Post-LN included (as in the reference): it keeps one parameter layout for all.
         self.norm = make_norm(plan.final_norm, config, plan.dyt_alpha_init[1])
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.rotary_emb = RotaryEmbedding(head_dim, _rope_theta(config))
+        self.rotary_emb = RotaryEmbedding(head_dim, _rope_theta(config), config.max_position_embeddings)
         self.gradient_checkpointing = False
         self.post_init()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 output_hidden_states: bool = False):
         x = self.embed_tokens(input_ids)
-        rope = self.rotary_emb(input_ids.shape[1], x.device, x.dtype)
+        rope = self.rotary_emb(input_ids.shape[1], x.dtype)
         mask = _attention_mask(attention_mask, input_ids.shape[1], x.device)
         hidden_states = [x] if output_hidden_states else None
         for layer in self.layers:

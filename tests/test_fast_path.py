@@ -8,6 +8,7 @@ not page-fault its large buffers anew; that changes no number, and its test coun
 import contextlib
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -137,6 +138,26 @@ def test_compiled_model_has_no_graph_break():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             explanation = torch._dynamo.explain(model)(**kwargs)
         assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+def test_compiled_step_reads_the_rope_tables_instead_of_computing_them():
+    """Tables computed inside forward are inlined by inductor into every q and k kernel, forward and backward, so
+    cos and sin ran per element in every layer (about 12% of the compiled CPU step). The step must load them."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = LlamaForCausalLM(build_config(TINY, num_hidden_layers=1)).train()
+    compiled = torch.compile(model)
+    tokens = batch(padded=False)["input_ids"]
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = compiled(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+
+    _, generated = run_and_get_code(step)
+    assert len(generated) == 2  # forward and backward
+    computed = sorted({call for code in generated for call in re.findall(r"\b(?:cos|sin)\b", code)})
+    assert not computed, f"the compiled step computes {computed}"
 
 
 @pytest.mark.parametrize("dtype, expected_kernel", [("mixed", "plain"), ("float32", "flash")])

@@ -104,7 +104,7 @@ def test_norm_type_is_case_insensitive():
 def reference_forward(model, tokens, post_layers):
     """Hand-written Mix-LN forward: Post-LN in layers < post_layers, Pre-LN after them."""
     x = model.model.embed_tokens(tokens)
-    rope = model.model.rotary_emb(tokens.shape[1], x.device, x.dtype)
+    rope = model.model.rotary_emb(tokens.shape[1], x.dtype)
     for i, layer in enumerate(model.model.layers):
         attn = lambda y: layer.self_attn(y, rope, None)  # noqa: E731
         if i < post_layers:
@@ -211,6 +211,28 @@ def test_save_and_load_round_trip(norm_type, tmp_path):
     torch.testing.assert_close(ours(tokens).logits, expected, rtol=0, atol=0)
     auto = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
     torch.testing.assert_close(auto(tokens).logits, expected, rtol=0, atol=0)
+
+
+def test_rope_tables_are_rebuilt_where_no_checkpoint_holds_them(tmp_path):
+    """The RoPE tables are non-persistent buffers: not saved, refilled after from_pretrained and after a build on
+    the meta device (the trainer's sharded resume), and they cover max_position_embeddings and no more."""
+    model = tiny_model()
+    fresh = model.model.rotary_emb.compute_tables()
+    assert not [name for name in model.state_dict() if "rotary" in name]
+    model.save_pretrained(tmp_path)
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path).model.rotary_emb
+    assert torch.equal(loaded.cos, fresh[0]) and torch.equal(loaded.sin, fresh[1])
+    with torch.device("meta"):
+        on_meta = LlamaForCausalLM(model.config)
+    on_meta.to_empty(device="cpu")
+    rope = on_meta.model.rotary_emb
+    rope.cos.fill_(float("nan")), rope.sin.fill_(float("nan"))
+    rope.reset_tables()
+    assert torch.equal(rope.cos, fresh[0]) and torch.equal(rope.sin, fresh[1])
+    limit = model.config.max_position_embeddings
+    assert rope.cos.shape[0] == limit
+    with pytest.raises(ValueError, match=f"max_position_embeddings {limit}"):
+        model(random_tokens(batch=1, length=limit + 1))
 
 
 @pytest.mark.parametrize("norm_type", NORM_TYPES)

@@ -72,7 +72,7 @@ def expected_sublayer(kind, x, branch, norm, residual, depth, num_layers, config
 
 def expected_logits(model, tokens, kinds, depths, num_layers):
     x = model.model.embed_tokens(tokens)
-    rope = model.model.rotary_emb(tokens.shape[1], x.device, x.dtype)
+    rope = model.model.rotary_emb(tokens.shape[1], x.dtype)
     for layer, kind, depth in zip(model.model.layers, kinds, depths):
         attn = lambda y, layer=layer: layer.self_attn(y, rope, None)  # noqa: E731
         x = expected_sublayer(kind, x, attn, layer.input_layernorm, layer.attn_residual, depth, num_layers,

@@ -328,6 +328,16 @@ def test_corrupt_checkpoint_is_a_clear_error_and_creates_nothing(shared_run, tmp
     assert not out.exists()
 
 
+def test_max_length_beyond_the_models_positions_is_a_one_line_error(tmp_path):
+    out = tmp_path / "out"
+    proc = run_main([*TINY, "--max_length", "1025", "--save_dir", str(out)])
+    assert proc.returncode == 2
+    error_lines = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(error_lines) == 1 and "--max_length 1025" in error_lines[0], proc.stderr[-2000:]
+    assert "max_position_embeddings 1024" in error_lines[0]
+    assert not out.exists()
+
+
 def test_wandb_without_api_key_runs_offline_without_prompting(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(HOME=str(tmp_path), WANDB_DIR=str(tmp_path / "wandb_dir"), WANDB_CONFIG_DIR=str(tmp_path / "cfg"),
