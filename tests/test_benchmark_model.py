@@ -151,6 +151,13 @@ def test_quick_profile_lists_the_costliest_ops_of_each_variant(tmp_path):
     assert (tmp_path / "profile.csv").read_text().startswith("config,")
 
 
+def test_compiled_profile_names_inductors_kernels(tmp_path):
+    benchmark_model.main(["--sections", "profile", "--shapes", "configs/llama_tiny.json:2:32", "--dtypes", "mixed",
+                          "--modes", "compiled", "--steps", "1", "--profile_top", "40", "--out", str(tmp_path)])
+    ops = [row["op"] for row in json.loads((tmp_path / "benchmark.json").read_text())["profile"]]
+    assert any("cpp_fused" in op for op in ops), ops  # not one opaque compiled graph
+
+
 @pytest.mark.parametrize("cpuinfo, model_name, bf16_hardware", [
     ("processor\t: 0\nmodel name\t: Some x86 CPU\nflags\t\t: fpu sse2 avx512_bf16 amx_bf16\n", "Some x86 CPU",
      "avx512_bf16, amx_bf16"),

@@ -18,7 +18,8 @@ Five sections; all but profile print the median and the spread (min-max) of ever
   the study runs them), against one after another with `--layout_cores` threads each; the figure is the machine's
   total tokens/s.
 * profile: where our model's step spends its time, op by op (torch.profiler, self CPU time), at the first of
-  --shapes, for each of --dtypes and --modes.
+  --shapes, for each of --dtypes and --modes; a compiled step is listed kernel by kernel (inductor's generated
+  kernels carry names such as cpp_fused_..._silu_...).
 * attention: causal attention alone, forward + backward, as plain matmuls (the model's CPU bf16 path) against SDPA's
   math and flash backends, at --attention_shapes, for each of --dtypes: the evidence for the model's kernel choice.
 
@@ -199,11 +200,14 @@ def profile_section(args) -> list[dict]:
             runner = torch.compile(model, mode=args.compile_mode) if mode == "compiled" else model
             step = make_step(runner, build_optimizer(model.parameters(), "adam", 1e-4, 0.0), tokens,
                              autocast_for(dtype))
-            step()
-            step()
-            with profile(activities=[ProfilerActivity.CPU]) as profiler:
-                for _ in range(args.steps):
-                    step()
+            # Inductor's kernels record themselves by name, so fused element-wise work shows kernel by kernel
+            # instead of as one "Call CompiledFxGraph".
+            with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
+                step()  # compiles
+                step()
+                with profile(activities=[ProfilerActivity.CPU]) as profiler:
+                    for _ in range(args.steps):
+                        step()
             events = profiler.key_averages()
             total = sum(event.self_cpu_time_total for event in events)
             for event in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:args.profile_top]:
