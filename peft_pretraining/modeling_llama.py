@@ -181,7 +181,7 @@ class RotaryEmbedding(nn.Module):
     """RoPE's cos and sin tables for positions 0 .. max_positions - 1, computed once and kept as non-persistent
     buffers (not in checkpoints). Tables built inside forward are index arithmetic that torch.compile inlines into
     every consumer: inductor then evaluated cos and sin for every element of q and k in every layer, forward and
-    backward, about 12% of the compiled CPU step (docs/benchmarks.md)."""
+    backward, about 10% of the compiled CPU step (docs/benchmarks.md)."""
 
     def __init__(self, head_dim: int, base: float, max_positions: int):
         super().__init__()

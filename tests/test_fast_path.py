@@ -142,7 +142,7 @@ def test_compiled_model_has_no_graph_break():
 
 def test_compiled_step_reads_the_rope_tables_instead_of_computing_them():
     """Tables computed inside forward are inlined by inductor into every q and k kernel, forward and backward, so
-    cos and sin ran per element in every layer (about 12% of the compiled CPU step). The step must load them."""
+    cos and sin ran per element in every layer (about 10% of the compiled CPU step). The step must load them."""
     from torch._inductor.utils import run_and_get_code
 
     model = LlamaForCausalLM(build_config(TINY, num_hidden_layers=1)).train()
