@@ -16,8 +16,10 @@ Activations are what autograd saves for backward in this repository's model (Pre
   layer is recomputed at a time.
 
 Model state: pure bf16 keeps weights, gradients and both Adam moments in bf16 (8 bytes a parameter); mixed and fp32
-keep them in fp32 (16 bytes a parameter). Not counted: the CUDA context (~0.5 GB, outside PyTorch's allocator),
-cuBLAS workspaces and allocator fragmentation (typically a few hundred MB to a few GB) - hence the headroom column.
+keep them in fp32 (16 bytes a parameter). Not counted: the RoPE tables (cos and sin for max_position_embeddings
+positions, a buffer of the model, 0.5 MB at 1B; the layers save views of it, no copies), the CUDA context (~0.5 GB,
+outside PyTorch's allocator), cuBLAS workspaces and allocator fragmentation (typically a few hundred MB to a few GB)
+- hence the headroom column.
 
 --check measures the saved-for-backward bytes of a real forward on CPU (saved_tensors_hooks, each storage once) and
 prints them beside the formula. CUDA attention kernels save the same tensors (q, k, v, output, logsumexp).
@@ -78,9 +80,7 @@ def saved_activation_bytes(config, dtype: str, batch: int, seq_len: int, activat
         layers = config.num_hidden_layers * residual * config.hidden_size * tokens
         weight_copies = 2 * config.vocab_size * config.hidden_size if dtype == "mixed" else 0  # lm_head only
     else:
-        head_dim = config.hidden_size // config.num_attention_heads
-        rope_tables = 2 * seq_len * head_dim * residual  # cos and sin, shared by every layer
-        layers = config.num_hidden_layers * layer_bytes_per_token(config, dtype) * tokens + rope_tables
+        layers = config.num_hidden_layers * layer_bytes_per_token(config, dtype) * tokens
         weight_copies = 2 * matmul_weight_count(config) if dtype == "mixed" else 0
     return layers + head_bytes_per_token(config, dtype) * tokens + weight_copies
 
@@ -112,12 +112,13 @@ def _training_model(config, dtype: str, activation_checkpointing: bool):
 
 
 def measure_saved_bytes(config, dtype: str, batch: int, seq_len: int, activation_checkpointing: bool) -> int:
-    """Bytes autograd saves for backward in one forward on CPU, each storage counted once, parameters excluded.
+    """Bytes autograd saves for backward in one forward on CPU, each storage counted once, the model's parameters and
+    buffers (the RoPE tables, which layers save as views) excluded.
 
     Attention runs on SDPA's flash kernel, as on a GPU: the CPU's bf16 choice (plain matmuls) would also save the
     attention probabilities, which the GPU estimate rightly leaves out."""
     model = _training_model(config, dtype, activation_checkpointing)
-    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     saved = {}
 
     def pack(tensor):
