@@ -226,6 +226,10 @@ def test_depth_sweep_quick_end_to_end_then_reuses_every_record(tmp_path):
     assert not (runs / "logs").exists()
     report = (out / "report.md").read_text()
     assert "8 records were reused" in report and "| step | 2 | 4 | 6 | 8 |" in report  # the probe's record too
+    # The float32 records do not stand in for mixed-precision runs: a mixed report finds none of them.
+    assert depth_sweep.main(["--quick", "--dtype", "mixed", "--report_only", "--out", str(out / "mixed")]) == 0
+    summary = json.loads((out / "mixed" / "summary.json").read_text())
+    assert not summary["runs"] and len(summary["missing"]) == 8
 
 
 def test_overfit_point_finds_the_lowest_eval_and_whether_the_loss_rose_after_it():
@@ -265,7 +269,8 @@ def test_one_seed_pairs_are_judged_over_held_out_documents():
 
     pre_nats = [5.0, 5.2, 4.9, 5.1, 5.3, 5.0]
     records = {"pre_bf16-seed1": record("pre_bf16", 1, pre_nats, [0.01] * 6),
-               "lns_bf16-seed1": record("lns_bf16", 1, [n - 0.2 for n in pre_nats], [0.03, 0.02, 0.04, 0.03, 0.02, 0.03])}
+               "lns_bf16-seed1": record("lns_bf16", 1, [n - 0.2 for n in pre_nats],
+                                        [0.03, 0.02, 0.04, 0.03, 0.02, 0.03])}
     found = compare_norms.pair_verdicts(records, "pre_bf16", "lns_bf16")
     loss, removal = found[0], found[-1]
     assert loss.unit == "documents" and loss.n_pairs == 6
@@ -316,3 +321,43 @@ def test_compile_flag_reaches_every_run_and_its_record_identity(study, compile_f
     study_lib.collect_records(args, specs)
     assert ran and all(("--compile" in spec.flags()) == compile_flag for spec in ran)
     assert all("--compile" not in spec.flags() for spec in specs)  # the caller's specs are left as they were
+
+
+@pytest.mark.parametrize("study", [compare_norms, depth_sweep])
+@pytest.mark.parametrize("dtype", ["float32", "mixed"])
+def test_dtype_flag_reaches_every_run_but_the_pure_bf16_arms(study, dtype, tmp_path, monkeypatch):
+    """--dtype sets what every run with fp32 master weights trains in; a pure-bf16 arm keeps bfloat16."""
+    ran = []
+    monkeypatch.setattr(study_lib, "run_jobs", lambda specs, *rest: (ran.extend(specs), ({}, []))[1])
+    argv = ["--budget", "default", "--out", str(tmp_path / "report"), "--runs_dir", str(tmp_path / "runs")]
+    args = study.parse_args(argv + ["--dtype", dtype])
+    specs = (compare_norms.run_specs(args, compare_norms.study_arms(args)) if study is compare_norms
+             else depth_sweep.run_specs(args))
+    study_lib.collect_records(args, specs)
+
+    def trained_in(spec):
+        flags = spec.flags()
+        return flags[flags.index("--dtype") + 1]
+
+    assert ran and {trained_in(spec) for spec in ran if not spec.arm.endswith("_bf16")} == {dtype}
+    if study is compare_norms:
+        assert {trained_in(spec) for spec in ran if spec.arm.endswith("_bf16")} == {"bfloat16"}
+    assert {trained_in(spec) for spec in specs} <= {"float32", "bfloat16"}  # the caller's specs are left as they were
+
+
+def test_a_bad_study_dtype_is_a_one_line_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        compare_norms.parse_args(["--dtype", "bfloat16"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "--dtype" in error and "bfloat16" in error
+
+
+def test_precision_section_names_the_study_dtype():
+    records = {f"{arm}-seed{seed}": dict(arm=arm, seed=seed, status="finished", final_eval_loss=5.0 - 0.1 * seed,
+                                         eval_curve=[[10, 5.0]], analyses={"10": crafted_analysis()})
+               for arm in ("pre", "lns", "pre_bf16", "lns_bf16") for seed in (1, 2)}
+    found = [compare_norms.pair_verdicts(records, "pre", "lns"), compare_norms.pair_verdicts(records, "pre_bf16",
+                                                                                             "lns_bf16")]
+    text = compare_norms.precision_section(records, *found, "mixed precision")
+    assert "mixed precision effect" in text and "pure bf16 minus mixed precision" in text and "float32" not in text

@@ -64,7 +64,7 @@ from transformers import LlamaForCausalLM as HFLlamaForCausalLM  # noqa: E402
 from peft_pretraining import modeling_llama  # noqa: E402
 from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
 from peft_pretraining.training_utils import build_optimizer, keep_freed_host_memory  # noqa: E402
-from utils.study_lib import cpu_model_name, cpuinfo_field  # noqa: E402
+from utils.study_lib import bf16_instructions, cpu_model_name  # noqa: E402
 
 STUDY_CONFIG = "configs/llama_tiny_deep.json"
 MODELS = ("ours", "before", "hf", "hf_eager_attn")
@@ -95,10 +95,8 @@ def spread(values: list[float]) -> dict:
 
 
 def machine() -> str:
-    flags = (cpuinfo_field("flags") or "").split()  # none on CPUs whose cpuinfo says "Features" (aarch64)
-    bf16_hw = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
     return (f"{cpu_model_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-            f"threads {torch.get_num_threads()}, bf16 hardware: {', '.join(bf16_hw) or 'none'}, "
+            f"threads {torch.get_num_threads()}, bf16 hardware: {', '.join(bf16_instructions()) or 'none'}, "
             f"load average {os.getloadavg()[0]:.1f}")
 
 

@@ -38,14 +38,24 @@ class Arm:
     label: str
     flags: tuple[str, ...]  # --norm_type and anything else that sets this arm apart
     group: str  # core | precision | norms | rivals
-    dtype: str = "float32"  # fp32 weights, Adam state and compute; see STUDY_DTYPE_REASON
+    dtype: str = "float32"  # replaced by the study's --dtype; a pure-bf16 arm says "bfloat16"
 
 
-STUDY_DTYPE_REASON = (
-    "Our own arms train in float32: fp32 master weights as with --dtype mixed, and fp32 compute, because on the "
-    "study's CPU (no avx512_bf16 or AMX) bf16 matrix products are emulated. Measured there, one thread, "
-    "llama_tiny_deep, 16 x 128 packed tokens: float32 1,417 tokens/s, mixed 484, pure bfloat16 about 540 "
-    "(torchrun_main.py ... --dtype {float32,mixed,bfloat16}, median of the updates after warm-up).")
+
+
+def study_dtype_reason(dtype: str) -> str:
+    """The report's sentence on what the study's own arms train in, and why."""
+    if dtype == "mixed":
+        return ("Our own arms train in mixed precision (--dtype mixed): bf16 autocast over fp32 master weights and "
+                "fp32 Adam state, the faster step on a CPU with bf16 instructions (docs/study.md).")
+    return ("Our own arms train in float32 (the default): fp32 master weights as with --dtype mixed, and fp32 "
+            "compute, the same on every host, so that records carry between hosts. On a CPU without bf16 "
+            "instructions it is also the fastest: measured there, one thread, llama_tiny_deep, 16 x 128 packed "
+            "tokens, float32 1,417 tokens/s, mixed 484, pure bfloat16 about 540 (torchrun_main.py ... --dtype "
+            "{float32,mixed,bfloat16}, median of the updates after warm-up). On a CPU with bf16 instructions "
+            "--dtype mixed is faster (docs/study.md).")
+
+
 REFERENCE_EMBED_STD = math.sqrt(2 / 5)  # the uploaded reference code's embedding init (5d4dd11)
 ARMS = [
     Arm("pre", "Pre-LN", ("--norm_type", "pre"), "core"),
@@ -137,7 +147,7 @@ def run_specs(args, arms: list[Arm]) -> list[RunSpec]:
         for seed in seeds:  # seed-major, so that the pairs of a seed finish together
             for arm in (a for a in arms if a.group == group):
                 extra = ("--post_num", str(max(1, num_layers // 4))) if arm.name == "post_pre" else ()
-                steps = dynamics if group == "core" else (s["steps"],)  # the dynamics: float32 Pre-LN and LNS
+                steps = dynamics if group == "core" else (s["steps"],)  # the dynamics: the core Pre-LN and LNS arms
                 specs.append(RunSpec(arm.name, seed, (*base, *arm.flags, *extra, "--dtype", arm.dtype), steps))
     return specs
 
@@ -290,8 +300,10 @@ def one_seed_differences(records, pre: str, lns: str) -> list[float | None]:
     return found
 
 
-def precision_section(records, fp32: list[verdicts.Verdict], bf16: list[verdicts.Verdict]) -> str:
-    """Each claim's effect in both precisions side by side, then what pure bf16 does to each norm type's loss."""
+def precision_section(records, fp32: list[verdicts.Verdict], bf16: list[verdicts.Verdict],
+                      fp32_label: str = "float32") -> str:
+    """Each claim's effect in both precisions side by side, then what pure bf16 does to each norm type's loss.
+    fp32_label names the precision of the arms with fp32 master weights (float32 or mixed precision)."""
     single = one_seed_differences(records, "pre_bf16", "lns_bf16")
     one_seed_note = (" With one pure-bf16 seed, the loss and removal claims are judged over held-out documents and "
                      "the others are point estimates; `--budget rivals` adds a second seed and gives seed intervals "
@@ -302,7 +314,7 @@ def precision_section(records, fp32: list[verdicts.Verdict], bf16: list[verdicts
         b_text = effect_text(b) if b.effect is not None or point is None else f"{point:+.4f} (one seed, no interval)"
         same = a.effect is not None and b_effect is not None and (a.effect > 0) == (b_effect > 0)
         rows.append(f"| {a.claim} | {effect_text(a)} | {b_text} | {'same' if same else 'differs'} |")
-    cost = [loss_verdict(records, arm, f"{arm}_bf16", f"Pure bf16 raises {label}'s eval loss over float32", +1)
+    cost = [loss_verdict(records, arm, f"{arm}_bf16", f"Pure bf16 raises {label}'s eval loss over {fp32_label}", +1)
             for arm, label in (("pre", "Pre-LN"), ("lns", "LNS"))]
     cost_lines = []
     for v, arm in zip(cost, ("pre", "lns")):
@@ -317,9 +329,9 @@ def precision_section(records, fp32: list[verdicts.Verdict], bf16: list[verdicts
     return ("### Does precision change the conclusions?\n\n"
             "The table puts each claim's effect in both precisions side by side; the last column says whether their "
             f"signs agree.{one_seed_note}\n\n"
-            "| claim (LNS − Pre-LN) | float32 effect [95% CI], seeds agreeing | pure bf16 effect [95% CI], seeds "
-            "agreeing | sign |\n|---|---|---|---|\n" + "\n".join(rows)
-            + "\n\nWhat pure bf16 costs each norm type (pure bf16 minus float32, paired by seed; here "
+            f"| claim (LNS − Pre-LN) | {fp32_label} effect [95% CI], seeds agreeing | pure bf16 effect [95% CI], "
+            "seeds agreeing | sign |\n|---|---|---|---|\n" + "\n".join(rows)
+            + f"\n\nWhat pure bf16 costs each norm type (pure bf16 minus {fp32_label}, paired by seed; here "
             "\"reproduced\" means the stated direction with an interval that excludes zero):\n\n"
             + "\n".join(cost_lines))
 
@@ -353,10 +365,11 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
         figures["profiles"] = study_lib.plot_layer_profiles(records, core, out / f"layer_profiles{suffix}.png")
     sections = []
     all_verdicts = {}
+    fp32_label = study_lib.DTYPE_LABELS[args.dtype]
     if {"pre", "lns"} <= present:
         found = pair_verdicts(records, "pre", "lns")
-        all_verdicts["float32 (fp32 master weights)"] = found
-        sections.append("### Pre-LN vs LNS, float32 (fp32 master weights)\n\n"
+        all_verdicts[f"{fp32_label} (fp32 master weights)"] = found
+        sections.append(f"### Pre-LN vs LNS, {fp32_label} (fp32 master weights)\n\n"
                         + verdict_lines(found))
     if {"pre_bf16", "lns_bf16"} <= present:
         found = pair_verdicts(records, "pre_bf16", "lns_bf16")
@@ -369,7 +382,7 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
                         f"analysed checkpoint is {max(devs):.3g} over {len(devs)} runs "
                         f"({'every gain stayed exactly 1.0' if max(devs) == 0 else 'the gains moved'}).")
     if len(all_verdicts) == 2:
-        sections.append(precision_section(records, *all_verdicts.values()))
+        sections.append(precision_section(records, *all_verdicts.values(), fp32_label))
     table_arms = [a for a in arms if a.name in present and a.group in ("core", "norms", "rivals")]
     table = ""
     if "pre" in present:
@@ -443,8 +456,8 @@ arm's loss is lower than the reference's with an interval that excludes zero, **
   {s['max_length']} tokens. {s['steps']} updates × {s['batch_size']} × {s['max_length']} = {tokens / 1e6:.2f} M tokens
   per run = {epochs:.2f} epochs over the {train_tokens:,}-token training split.
 - **Training**: Adam, lr 1e-3, {s['warmup']} warmup steps then cosine to 10%, grad clipping 1.0, no weight decay;
-  float32 unless the arm says pure bf16. {STUDY_DTYPE_REASON} Seeds
-  {', '.join(map(str, s['seeds']))} for the float32 Pre-LN and LNS arms and the rivals,
+  {fp32_label} unless the arm says pure bf16. {study_dtype_reason(args.dtype)} Seeds
+  {', '.join(map(str, s['seeds']))} for the {fp32_label} Pre-LN and LNS arms and the rivals,
   {', '.join(map(str, s['precision_seeds']))} for the pure-bf16 arms, {', '.join(map(str, s['norms_seeds']))} for
   Post-LN, Mix-LN and DeepNorm: a seed fixes the init and the data order, identical across arms.
 - **Evaluation**: token-weighted cross-entropy over {s['eval_tokens']:,} held-out tokens, every {steps_info[0]} steps.
@@ -454,7 +467,7 @@ arm's loss is lower than the reference's with an interval that excludes zero, **
   ({'exact' if not s['jacobian_probes'] else f"{s['jacobian_probes']} random probes per token, unbiased"}); removal of
   each layer in turn (layer_remove.py --sweep, {s['removal_documents']} documents); the norm gains.
 - **Speed**: median {statistics.median(speeds) if speeds else float('nan'):,.0f} tokens/s per run
-  (one thread per run, {args.jobs} runs at a time, {'torch.compile' if args.compile else 'eager'}).
+  (one thread per run, {args.jobs} runs at a time, {'torch.compile' if args.compile else 'eager'}, {args.dtype}).
 - **Machine**: {study_lib.machine_description()}; {study_lib.software_versions()}.
 
 ### Is the budget long enough, and not past overfitting?

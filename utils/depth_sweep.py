@@ -429,7 +429,7 @@ Deep = the deeper half of the layers.
   {config['num_attention_heads']} heads, vocab {config['vocab_size']}) with L layers; nothing else changes with L.
 - **Budget**: {s['steps']} updates × {s['batch_size']} × {s['max_length']} packed tokens = {tokens / 1e6:.2f} M tokens per
   run at every depth, {tokens / train_tokens:.2f} epochs over the {train_tokens:,}-token training split; Adam, lr 1e-3,
-  {s['warmup']} warmup steps then cosine to 10%, clipping 1.0, float32 (on this CPU bf16 products are emulated: see docs/study.md).
+  {s['warmup']} warmup steps then cosine to 10%, clipping 1.0, {study_lib.DTYPE_LABELS[args.dtype]} (`--dtype {args.dtype}`, see docs/study.md).
   The budget was chosen for time (four depths, three seeds, two hours), then checked against the corpus's
   overfitting point at the deepest setting, measured by the overfitting probe above; the table's last column gives
   the step of each sweep run's lowest eval loss (a run still improving has it at its last eval). For scale, the
@@ -441,7 +441,7 @@ Deep = the deeper half of the layers.
   f"{s['jacobian_probes']} random probes per token"}), one-layer removal on {s['removal_documents']}
   held-out documents.
 - **Seeds**: {', '.join(map(str, s['seeds']))}, paired across norm types and depths.
-- **Speed** (median tokens/s per run, one thread, {'torch.compile' if args.compile else 'eager'}): {', '.join(f"L={d}: {np.median(v):,.0f}" for d, v in speeds.items() if v)}.
+- **Speed** (median tokens/s per run, one thread, {'torch.compile' if args.compile else 'eager'}, {args.dtype}): {', '.join(f"L={d}: {np.median(v):,.0f}" for d, v in speeds.items() if v)}.
 - **Machine**: {study_lib.machine_description()}; {study_lib.software_versions()}.
 
 Raw numbers: one JSON record per run in `runs/`, and `summary{suffix}.json`.

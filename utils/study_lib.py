@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
+DTYPE_LABELS = {"float32": "float32", "mixed": "mixed precision"}  # the studies' --dtype, as reports name it
 RECORD_VERSION = 1
 # A layer counts as "cheap to remove" when removing it raises held-out perplexity by less than 1% (0.00995 nats).
 CHEAP_REMOVAL_NATS = math.log(1.01)
@@ -97,6 +98,11 @@ def add_study_arguments(parser: argparse.ArgumentParser, budgets: dict) -> None:
                         help="train every run with torch.compile: on the 2-core CPU about 1.3x the tokens/s per "
                              "update, for 1-2 minutes of compilation in a configuration's first run and about 10 s "
                              "in later ones (docs/benchmarks.md); its runs are distinct records from eager ones")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPE_LABELS),
+                        help="what the runs that are not pure-bf16 arms train in. float32 (the default) computes "
+                             "in fp32 on every host, so records carry between hosts; mixed (bf16 autocast over "
+                             "fp32 master weights) is the faster step on a CPU with bf16 instructions (avx512_bf16 "
+                             "or AMX) and the slower one without them (docs/study.md); its runs are distinct records")
 
 
 def resolve_study_args(parser: argparse.ArgumentParser, args, budgets: dict) -> None:
@@ -108,6 +114,9 @@ def resolve_study_args(parser: argparse.ArgumentParser, args, budgets: dict) -> 
         parser.error(f"--jobs must be positive, got {args.jobs}")
     if args.max_hours is not None and args.max_hours <= 0:
         parser.error(f"--max_hours must be positive, got {args.max_hours}")
+    if args.dtype == "mixed" and not bf16_instructions():
+        print("note: this CPU names no bf16 instructions (avx512_bf16, amx_bf16); --dtype mixed emulates bf16 "
+              "products here and trains slower than float32 (docs/study.md)", file=sys.stderr)
     args.out = Path(args.out or REPO / args.settings["out"])
     args.runs_dir = Path(args.runs_dir or REPO / args.settings["runs_dir"])
 
@@ -121,13 +130,23 @@ def collect_records(args, specs: list[RunSpec]) -> tuple[dict[str, dict], list[R
     """The records of every spec: read back (--report_only), or made by running the jobs that have none."""
     settings = analysis_settings(args.settings)
     records_dir = args.out / "runs"
-    if args.compile:  # part of each run's flags, so compiled and eager runs never stand in for each other
+    # --compile and --dtype are part of each run's flags, so runs that differ in them never stand in for each other
+    specs = [dataclasses.replace(spec, train_flags=with_study_dtype(spec.train_flags, args.dtype)) for spec in specs]
+    if args.compile:
         specs = [dataclasses.replace(spec, train_flags=(*spec.train_flags, "--compile")) for spec in specs]
     if args.report_only:
         records = load_records(specs, settings, records_dir)
         return records, [spec for spec in specs if spec.name not in records]
     deadline = None if args.max_hours is None else time.time() + 3600 * args.max_hours
     return run_jobs(specs, settings, args.runs_dir, records_dir, args.jobs, args.fresh, deadline)
+
+
+def with_study_dtype(train_flags: tuple[str, ...], dtype: str) -> tuple[str, ...]:
+    """The run's flags with its float32 replaced by the study's --dtype; a pure-bf16 arm keeps its bfloat16."""
+    at = train_flags.index("--dtype") + 1
+    if train_flags[at] != "float32":
+        return train_flags
+    return (*train_flags[:at], dtype, *train_flags[at + 1:])
 
 
 def generated_by(script: str, argv: list[str]) -> str:
@@ -142,8 +161,12 @@ def run_status(records: dict, expected: int, skipped: list[RunSpec], shown: int 
     if len(records) == expected:
         return f"**Complete**: all {expected} runs."
     names = [spec.name for spec in skipped]
-    listed = (", ".join(names) if len(names) <= shown else f"{', '.join(names[:shown])} and {len(names) - shown} more") \
-        if names else "see the runs list"
+    if not names:
+        listed = "see the runs list"
+    elif len(names) <= shown:
+        listed = ", ".join(names)
+    else:
+        listed = f"{', '.join(names[:shown])} and {len(names) - shown} more"
     return (f"**Partial**: {len(records)} of {expected} runs have records; the missing ones ({listed}) run on the "
             "next invocation.")
 
@@ -537,7 +560,8 @@ def finish_grid(fig, axes, panels_used: int, title: str, path: Path) -> Path:
     """Hide the unused panels of a grid, put the legend on the first, title, save and close the figure."""
     for ax in list(axes.flat)[panels_used:]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=8)
+    if axes.flat[0].get_legend_handles_labels()[0]:  # a report with no records yet has nothing to label
+        axes.flat[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=140)
@@ -634,8 +658,15 @@ def cpu_model_name() -> str:
     return cpuinfo_field("model name") or platform.processor() or "unknown CPU"
 
 
+def bf16_instructions() -> list[str]:
+    """The CPU's bf16 matrix instructions named in /proc/cpuinfo (none on CPUs whose cpuinfo says "Features")."""
+    flags = (cpuinfo_field("flags") or "").split()
+    return [flag for flag in ("avx512_bf16", "amx_bf16") if flag in flags]
+
+
 def machine_description() -> str:
-    return f"{platform.machine()}, {cpu_model_name()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    return (f"{platform.machine()}, {cpu_model_name()}, {os.cpu_count()} cores, bf16 instructions: "
+            f"{', '.join(bf16_instructions()) or 'none'}, Python {platform.python_version()}")
 
 
 def embedded_train_tokens() -> int:
