@@ -361,3 +361,17 @@ def test_precision_section_names_the_study_dtype():
                                                                                              "lns_bf16")]
     text = compare_norms.precision_section(records, *found, "mixed precision")
     assert "mixed precision effect" in text and "pure bf16 minus mixed precision" in text and "float32" not in text
+
+
+@pytest.mark.parametrize("study, budget, flags, out, runs_dir", [
+    (compare_norms, "default", [], "docs/study", "runs/study"),
+    (compare_norms, "default", ["--dtype", "mixed"], "docs/study_mixed", "runs/study_mixed"),
+    (compare_norms, "long", ["--dtype", "mixed", "--compile"], "docs/study_long_mixed_compile",
+     "runs/study_long_mixed_compile"),
+    (compare_norms, "quick", ["--compile"], "runs/study_quick_compile/report", "runs/study_quick_compile"),
+    (depth_sweep, "default", ["--dtype", "mixed"], "docs/depth_sweep_mixed", "runs/depth_sweep_mixed"),
+])
+def test_a_dtype_or_compile_variant_gets_its_own_default_folders(study, budget, flags, out, runs_dir):
+    """A variant's runs are other records: by default they go beside the committed ones, never over them."""
+    args = study.parse_args(["--budget", budget, *flags])
+    assert args.out == study_lib.REPO / out and args.runs_dir == study_lib.REPO / runs_dir

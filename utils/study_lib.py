@@ -117,8 +117,21 @@ def resolve_study_args(parser: argparse.ArgumentParser, args, budgets: dict) -> 
     if args.dtype == "mixed" and not bf16_instructions():
         print("note: this CPU names no bf16 instructions (avx512_bf16, amx_bf16); --dtype mixed emulates bf16 "
               "products here and trains slower than float32 (docs/study.md)", file=sys.stderr)
-    args.out = Path(args.out or REPO / args.settings["out"])
-    args.runs_dir = Path(args.runs_dir or REPO / args.settings["runs_dir"])
+    variant = ("" if args.dtype == "float32" else f"_{args.dtype}") + ("_compile" if args.compile else "")
+    args.out = Path(args.out or REPO / variant_folder(args.settings["out"], variant))
+    args.runs_dir = Path(args.runs_dir or REPO / variant_folder(args.settings["runs_dir"], variant))
+
+
+def variant_folder(folder: str, variant: str) -> Path:
+    """The budget's default folder for a --dtype or --compile variant ("docs/study" -> "docs/study_mixed";
+    "runs/study_quick/report" -> "runs/study_quick_mixed/report"): its runs and records share no file with the
+    default's, so a variant neither retrains over nor overwrites the committed records."""
+    path = Path(folder)
+    if not variant:
+        return path
+    if path.name == "report":
+        return path.parent.with_name(path.parent.name + variant) / "report"
+    return path.with_name(path.name + variant)
 
 
 def analysis_settings(settings: dict) -> AnalysisSettings:
