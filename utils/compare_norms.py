@@ -41,8 +41,6 @@ class Arm:
     dtype: str = "float32"  # replaced by the study's --dtype; a pure-bf16 arm says "bfloat16"
 
 
-
-
 def study_dtype_reason(dtype: str) -> str:
     """The report's sentence on what the study's own arms train in, and why."""
     if dtype == "mixed":
