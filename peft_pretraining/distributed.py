@@ -65,8 +65,9 @@ def wrap_model(model, args, world_size: int, device):
         fully_shard(model, mesh=mesh, mp_policy=mp_policy)
         return model
     if world_size > 1:
+        # the only buffers are the RoPE tables, the same on every rank: synced once at init, not every forward
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                       broadcast_buffers=False)
+                                       forward_sync_buffers=False)
     return model
 
 

@@ -38,8 +38,10 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 SITECUSTOMIZE = '''
 import os
 if os.environ.get("FAULT_STAGE"):
-    import signal, time
+    import faulthandler, signal, time
     import torch
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that times out asks for every thread's stack
     from peft_pretraining import training_utils
 
     stage, fault_step = os.environ["FAULT_STAGE"], int(os.environ.get("FAULT_STEP", "0"))
@@ -473,6 +475,17 @@ def test_save_failure_on_rank_0_reaches_every_rank(tmp_path):
     try:
         for proc in ranks:
             outputs.append(proc.communicate(timeout=240))  # without the status broadcast, rank 1 waits ~30 min
+    except subprocess.TimeoutExpired:
+        for proc in ranks:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGUSR1)  # the stacks of where it waits, into its stderr
+        time.sleep(3)
+        for proc in ranks:
+            proc.kill()
+        stderr = [f"rank {rank} (exit {proc.returncode}): "
+                  f"{(outputs[rank] if rank < len(outputs) else proc.communicate())[1][-6000:]}"
+                  for rank, proc in enumerate(ranks)]
+        pytest.fail("a rank still ran after 240 s:\n" + "\n\n".join(stderr))
     finally:
         for proc in ranks:
             proc.kill()
