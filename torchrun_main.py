@@ -35,7 +35,8 @@ from peft_pretraining.dataloader import (
     iter_eval_batches,
     load_tokenizer,
 )
-from peft_pretraining.distributed import grad_sync, init_distributed, report_exit_code, wrap_model
+from peft_pretraining.distributed import (broadcast_from_rank0, grad_sync, init_distributed, report_exit_code,
+                                          wrap_model)
 from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config, canonical_norm_type
 
 VOCAB_MULTIPLE = 64
@@ -58,7 +59,7 @@ def open_run_folder(args, rank: int, resume_step: int | None, on_exit: contextli
     run_dir = [args.save_dir]
     if run_dir[0] is None:
         run_dir[0] = os.path.join("runs", f"{args.run_name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
-        dist.broadcast_object_list(run_dir, src=0)
+        broadcast_from_rank0(run_dir)
     run_dir = run_dir[0]
     dist.barrier()  # every rank has read its checkpoint before rank 0 renames anything
     refusal = [None]
@@ -78,7 +79,7 @@ def open_run_folder(args, rank: int, resume_step: int | None, on_exit: contextli
                     notes += run_folder.supersede_after(run_dir, resume_step)
                 for note in notes:
                     log(note)
-    dist.broadcast_object_list(refusal, src=0)
+    broadcast_from_rank0(refusal)
     if refusal[0] is not None:
         raise BadInput(refusal[0])
     if args.continue_from is not None and not os.path.exists(args.continue_from):  # a .model_N.old just restored
@@ -351,7 +352,7 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
                 else:
                     failure[0] = (f"rank 0 could not save {path} ({err.__class__.__name__})", 1)
                 run_folder.remove_partial_checkpoints(run_dir)
-        dist.broadcast_object_list(failure, src=0)
+        broadcast_from_rank0(failure)
         if failure[0] is not None:
             if error is not None and failure[0][1] == 1:
                 raise error  # an unexpected failure: rank 0 shows the traceback

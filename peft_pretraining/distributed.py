@@ -81,6 +81,19 @@ def grad_sync(model, is_last_micro_batch: bool):
     return contextlib.nullcontext()
 
 
+def broadcast_from_rank0(values: list) -> None:
+    """dist.broadcast_object_list from rank 0, then a barrier, on every rank.
+
+    The barrier is there for gloo: its worker thread frees a broadcast's tensors after the broadcast returns, and
+    freeing them needs the GIL. A run that ends right after the broadcast (an error every rank raises) can destroy
+    the process group, which joins that thread while holding the GIL: a deadlock at exit (seen in about 1 of 15
+    runs of tests/test_faults.py's rank-0 save failure). While a barrier waits it releases the GIL, the thread
+    frees the tensors, and a barrier leaves no tensor behind.
+    """
+    dist.broadcast_object_list(values, src=0)
+    dist.barrier()
+
+
 def report_exit_code(code: int) -> int:
     """Leave this rank's exit code where the run script finds it after torchrun returns.
 
