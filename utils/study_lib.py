@@ -97,14 +97,14 @@ def add_study_arguments(parser: argparse.ArgumentParser, budgets: dict) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="train every run with torch.compile: on the 2-core CPU about 1.3x the tokens/s per "
                              "update, for 1-2 minutes of compilation in a configuration's first run and about 10 s "
-                             "in later ones (docs/benchmarks.md); its runs are distinct records from eager ones, in their own "
-                             "default folders")
+                             "in later ones (docs/benchmarks.md); its runs are distinct records from eager ones, in "
+                             "their own default folders")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPE_LABELS),
                         help="what the runs that are not pure-bf16 arms train in. float32 (the default) computes "
                              "in fp32 on every host, so records carry between hosts; mixed (bf16 autocast over "
                              "fp32 master weights) is the faster step on a CPU with bf16 instructions (avx512_bf16 "
-                             "or AMX) and the slower one without them (docs/study.md); its runs are distinct records, in "
-                             "their own default folders")
+                             "or AMX) and the slower one without them (docs/study.md); its runs are distinct "
+                             "records, in their own default folders")
 
 
 def resolve_study_args(parser: argparse.ArgumentParser, args, budgets: dict) -> None:
