@@ -27,7 +27,7 @@ def test_bad_flags_exit_2(flag, value, tmp_path, capsys):
 
 def test_trainer_runs_with_the_study_flags(tmp_path, monkeypatch):
     """The trainer section times what the study runs: every flag of the study's Pre-LN run (packing, dtype, batch,
-    optimizer...) except the budget flags the benchmark sets itself."""
+    optimizer...) except the budget flags the benchmark sets itself, eager and compiled."""
     commands = []
     real_run = benchmark_model.subprocess.run
 
@@ -43,17 +43,23 @@ def test_trainer_runs_with_the_study_flags(tmp_path, monkeypatch):
 
     monkeypatch.setattr(benchmark_model.subprocess, "run", recording_run)
     benchmark_model.main(["--sections", "trainer", "--before", "HEAD", "--trainer_repeats", "1", "--trainer_steps",
-                          "4", "--trainer_warmup", "1", "--trainer_variants", "eager", "--out", str(tmp_path)])
+                          "4", "--trainer_warmup", "1", "--trainer_variants", "eager", "compile", "--out",
+                          str(tmp_path)])
     study = benchmark_model.study_trainer_flags()
-    assert "--packing" in study and len(commands) == 2  # before and after
-    for cmd in commands:
+    assert "--packing" in study and "--compile" in study and len(commands) == 4  # before and after, both modes
+    assert benchmark_model.flag_value(study, "--dtype") == "mixed"  # the study's defaults (issue 15)
+    for cmd, variant in zip(commands, ["eager", "compile"] * 2):
         flags = cmd[2:]
-        assert benchmark_model.without_flags(flags, benchmark_model.BENCHMARK_FLAGS) == \
-            benchmark_model.without_flags(study, benchmark_model.BENCHMARK_FLAGS)
+        assert ("--compile" in flags) == (variant == "compile") and flags.count("--compile") <= 1
+        assert [f for f in benchmark_model.without_flags(flags, benchmark_model.BENCHMARK_FLAGS) if f != "--compile"] \
+            == [f for f in benchmark_model.without_flags(study, benchmark_model.BENCHMARK_FLAGS) if f != "--compile"]
         assert benchmark_model.flag_value(flags, "--dtype") == benchmark_model.flag_value(study, "--dtype")
         assert benchmark_model.flag_value(flags, "--model_config") == benchmark_model.STUDY_CONFIG
-    rows = json.loads((tmp_path / "benchmark.json").read_text())["trainer"]
-    assert [row["tokens_per_s_median"] for row in rows] == [102.0, 102.0]  # median of 101, 102, 103
+    report = json.loads((tmp_path / "benchmark.json").read_text())
+    rows = report["trainer"]
+    assert [row["tokens_per_s_median"] for row in rows] == [102.0] * 4  # median of 101, 102, 103
+    assert [row["as_that_study_runs"] for row in rows] == [False, True] * 2  # the study compiles
+    assert report["ratios"]["trainer as its study flags run it: after compile / before compile"] == 1.0
 
 
 def test_quick_trainer_benchmark_runs_the_real_trainer(tmp_path):
@@ -74,7 +80,7 @@ def test_quick_layout_benchmark_runs_both_layouts(tmp_path):
 
 def test_before_flags_own_runs_each_tree_with_its_own_study(tmp_path, monkeypatch):
     """With --before_flags own the before tree trains the study as it ran then: a447e53's study used bf16 autocast
-    ("mixed") and padded batches, today's uses float32 and packing."""
+    ("mixed"), padded batches and eager mode; today's uses mixed, packing and --compile."""
     if benchmark_model.subprocess.run(["git", "rev-parse", "--verify", "--quiet", "a447e53^{commit}"],
                                       cwd=benchmark_model.REPO, capture_output=True).returncode != 0:
         pytest.skip("a447e53 is not in this clone's history")
@@ -97,9 +103,10 @@ def test_before_flags_own_runs_each_tree_with_its_own_study(tmp_path, monkeypatc
     by_tree = {"after" if cwd == benchmark_model.REPO else "before": cmd for cwd, cmd in commands}
     assert benchmark_model.flag_value(by_tree["before"], "--dtype") == "mixed"
     assert "--packing" not in by_tree["before"] and "--packing" in by_tree["after"]
-    assert benchmark_model.flag_value(by_tree["after"], "--dtype") == "float32"
+    assert benchmark_model.flag_value(by_tree["after"], "--dtype") == "mixed"
     rows = {row["tree"]: row for row in json.loads((tmp_path / "benchmark.json").read_text())["trainer"]}
     assert rows["before"]["study_flags_of"] == "a447e53" and rows["before"]["dtype"] == "mixed"
+    assert rows["before"]["as_that_study_runs"] and not rows["after"]["as_that_study_runs"]  # eager; now compiled
     assert rows["after"]["study_flags_of"] == "working tree" and rows["after"]["packing"] is True
 
 

@@ -202,8 +202,11 @@ def test_depth_sweep_bad_input_is_one_line(capsys):
 
 
 def test_depth_sweep_quick_end_to_end_then_reuses_every_record(tmp_path):
+    """In float32 and eager, the quick path everywhere alike (CI's smoke run of compare_norms takes the defaults)."""
     out, runs = tmp_path / "report", tmp_path / "runs"
-    assert depth_sweep.main(["--quick", "--overfit_probe", "--out", str(out), "--runs_dir", str(runs)]) == 0
+    float32_eager = ["--dtype", "float32", "--no-compile"]
+    assert depth_sweep.main(["--quick", *float32_eager, "--overfit_probe", "--out", str(out), "--runs_dir",
+                             str(runs)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["runs"]) == 8 and not summary["missing"]  # 2 depths x 2 norms x 2 seeds
     probe = summary["overfit_probe"]  # the probe: L4 (the deepest), eval every 2 of 8 updates
@@ -216,18 +219,22 @@ def test_depth_sweep_quick_end_to_end_then_reuses_every_record(tmp_path):
     for png in ("measures_vs_depth.png", "loss_gap_vs_depth.png"):
         assert (out / png).stat().st_size > 1000
     record = json.loads(next((out / "runs").glob("L4-lns-seed1.json")).read_text())
+    assert record["machine"] == study_lib.machine_description()
+    assert f"**Machine** of the runs: {record['machine']} (8 runs)." in report
     analysed = record["analyses"][max(record["analyses"], key=int)]
     assert len(analysed["jacobian_rel_identity_dev"]) == 4 and len(analysed["removal_nats"]) == 4
     assert len(analysed["removal_document_nats"]) == 2 and len(analysed["removal_document_costs"]) == 4  # 2 documents
     assert len(study_lib.document_measures(record)["removal_deep"]) == 2
     # A second invocation, with the runs folder gone, reuses the committed records and trains nothing.
     shutil.rmtree(runs)
-    assert depth_sweep.main(["--quick", "--out", str(out), "--runs_dir", str(runs)]) == 0
+    assert depth_sweep.main(["--quick", *float32_eager, "--out", str(out), "--runs_dir", str(runs)]) == 0
     assert not (runs / "logs").exists()
     report = (out / "report.md").read_text()
     assert "8 records were reused" in report and "| step | 2 | 4 | 6 | 8 |" in report  # the probe's record too
+    assert "--dtype float32 --no-compile" in report  # the command, as given
     # The float32 records do not stand in for mixed-precision runs: a mixed report finds none of them.
-    assert depth_sweep.main(["--quick", "--dtype", "mixed", "--report_only", "--out", str(out / "mixed")]) == 0
+    assert depth_sweep.main(["--quick", "--dtype", "mixed", "--no-compile", "--report_only", "--out",
+                             str(out / "mixed")]) == 0
     summary = json.loads((out / "mixed" / "summary.json").read_text())
     assert not summary["runs"] and len(summary["missing"]) == 8
 
@@ -315,7 +322,7 @@ def test_compile_flag_reaches_every_run_and_its_record_identity(study, compile_f
     ran = []
     monkeypatch.setattr(study_lib, "run_jobs", lambda specs, *rest: (ran.extend(specs), ({}, []))[1])
     argv = ["--quick", "--out", str(tmp_path / "report"), "--runs_dir", str(tmp_path / "runs")]
-    args = study.parse_args(argv + ["--compile"] * compile_flag)
+    args = study.parse_args(argv + ["--compile" if compile_flag else "--no-compile"])
     specs = (compare_norms.run_specs(args, compare_norms.study_arms(args)) if study is compare_norms
              else depth_sweep.run_specs(args))
     study_lib.collect_records(args, specs)
@@ -363,15 +370,45 @@ def test_precision_section_names_the_study_dtype():
     assert "mixed precision effect" in text and "pure bf16 minus mixed precision" in text and "float32" not in text
 
 
+@pytest.mark.parametrize("study", [compare_norms, depth_sweep])
+def test_the_studies_default_to_mixed_precision_compiled(study):
+    """Issue 15: the study trains on the fast path unless told otherwise."""
+    args = study.parse_args([])
+    assert args.dtype == "mixed" and args.compile
+
+
 @pytest.mark.parametrize("study, budget, flags, out, runs_dir", [
-    (compare_norms, "default", [], "docs/study", "runs/study"),
-    (compare_norms, "default", ["--dtype", "mixed"], "docs/study_mixed", "runs/study_mixed"),
-    (compare_norms, "long", ["--dtype", "mixed", "--compile"], "docs/study_long_mixed_compile",
-     "runs/study_long_mixed_compile"),
-    (compare_norms, "quick", ["--compile"], "runs/study_quick_compile/report", "runs/study_quick_compile"),
-    (depth_sweep, "default", ["--dtype", "mixed"], "docs/depth_sweep_mixed", "runs/depth_sweep_mixed"),
+    (compare_norms, "default", [], "docs/study_mixed_compile", "runs/study_mixed_compile"),
+    (compare_norms, "default", ["--dtype", "float32", "--no-compile"], "docs/study", "runs/study"),
+    (compare_norms, "default", ["--no-compile"], "docs/study_mixed", "runs/study_mixed"),
+    (compare_norms, "long", [], "docs/study_long_mixed_compile", "runs/study_long_mixed_compile"),
+    (compare_norms, "long", ["--dtype", "float32", "--no-compile"], "docs/study_long", "runs/study_long"),
+    (compare_norms, "quick", ["--dtype", "float32"], "runs/study_quick_compile/report", "runs/study_quick_compile"),
+    (depth_sweep, "default", [], "docs/depth_sweep_mixed_compile", "runs/depth_sweep_mixed_compile"),
+    (depth_sweep, "default", ["--dtype", "float32", "--no-compile"], "docs/depth_sweep", "runs/depth_sweep"),
 ])
 def test_a_dtype_or_compile_variant_gets_its_own_default_folders(study, budget, flags, out, runs_dir):
-    """A variant's runs are other records: by default they go beside the committed ones, never over them."""
+    """A variant's runs are other records: by default they go beside the committed ones, never over them; the
+    committed float32, eager records keep their plain folders."""
     args = study.parse_args(["--budget", budget, *flags])
     assert args.out == study_lib.REPO / out and args.runs_dir == study_lib.REPO / runs_dir
+
+
+@pytest.mark.parametrize("argv, command", [
+    ([], "python utils/compare_norms.py --dtype mixed --compile`"),
+    (["--budget", "long", "--no-compile"], "python utils/compare_norms.py --budget long --no-compile --dtype mixed`"),
+    (["--dtype", "float32", "--no-compile", "--report_only"],
+     "python utils/compare_norms.py --dtype float32 --no-compile` (this text rewritten"),
+])
+def test_a_report_names_the_precision_and_mode_it_was_trained_in(argv, command):
+    """The report's command stays true when a default changes: it always names --dtype and --compile."""
+    line = study_lib.generated_by("utils/compare_norms.py", argv, compare_norms.parse_args(argv))
+    assert line.startswith(f"Generated by `{command}")
+
+
+def test_a_report_names_the_machines_its_records_were_made_on():
+    """--report_only may rewrite a report elsewhere: its machine line comes from the records, not the writer."""
+    records = {"a": dict(machine="Xeon"), "b": dict(machine="EPYC"), "c": dict(machine="Xeon"), "d": {}}
+    line = study_lib.records_machines(records)
+    assert line.startswith("Xeon (2 runs); EPYC (1 runs); not recorded for 1 runs")
+    assert study_lib.records_machines({}) == "no records yet"

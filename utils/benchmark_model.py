@@ -13,7 +13,8 @@ Five sections; all but profile print the median and the spread (min-max) of ever
   current tree against the tree of `--before` (extracted with `git archive`), runs alternating before/after; the
   figure is the median of the per-update tokens_per_s in metrics.jsonl after the first `--trainer_warmup` updates.
   Both trees train today's study flags, or with `--before_flags own` each tree its own study's flags (the study as
-  it ran then against the study as it runs now).
+  it ran then against the study as it runs now). Each tree runs eager and compiled (`--trainer_variants`), whatever
+  its study's own mode; a row says whether its mode is the study's, and a ratio compares those two rows.
 * layout (asked for by name): the same trainer runs, `--layout_cores` of them side by side with one thread each (as
   the study runs them), against one after another with `--layout_cores` threads each; the figure is the machine's
   total tokens/s.
@@ -70,7 +71,7 @@ STUDY_CONFIG = "configs/llama_tiny_deep.json"
 MODELS = ("ours", "before", "hf", "hf_eager_attn")
 HF_MODELS = ("hf", "hf_eager_attn")
 DTYPES = ("float32", "mixed")
-TRAINER_VARIANTS = {"eager": [], "compile": ["--compile"]}
+TRAINER_VARIANTS = {"eager": [], "compile": ["--compile"]}  # in place of the study's own --compile, if it has one
 # Flags the benchmark sets itself; every other trainer flag is the study's (study_trainer_flags).
 BENCHMARK_FLAGS = ("--model_config", "--dtype", "--num_training_steps", "--warmup_steps", "--eval_every",
                    "--eval_tokens", "--save_every", "--save_dir")
@@ -265,15 +266,18 @@ def attention_section(args) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------------- trainer section
-# Prints the Pre-LN seed-1 run's flags from the compare_norms.py of the tree it runs in. Before the study machinery
-# (97bc166) one function, train_flags, gave a run's flags; a tree of either age can be asked.
+# Prints the Pre-LN seed-1 run's flags, as it trains, from the compare_norms.py of the tree it runs in. Before the
+# study machinery (97bc166) one function, train_flags, gave a run's flags; a tree of any age can be asked.
 STUDY_FLAGS_SNIPPET = """
 import json, sys
 sys.path.insert(0, ".")
 from utils import compare_norms as study
 if hasattr(study, "run_specs"):
     args = study.parse_args(["--arms", "pre", "--seeds", "1"])
-    flags = study.run_specs(args, study.study_arms(args))[0].flags()
+    specs = study.run_specs(args, study.study_arms(args))
+    if hasattr(study.study_lib, "as_trained"):  # since the studies' defaults became mixed precision, compiled
+        specs = study.study_lib.as_trained(args, specs)
+    flags = specs[0].flags()
 else:
     flags = study.train_flags(study.parse_args([]), "pre", 1)
 print(json.dumps(list(flags)))
@@ -325,6 +329,7 @@ def trainer_dtype(args, study_flags: list[str]) -> str:
 def trainer_command(args, extra_flags: list[str], out_dir: Path, study_flags: list[str] | None = None) -> list[str]:
     """The study's run with the benchmark's budget; `study_flags` default to the working tree's study."""
     study_flags = args.study_flags if study_flags is None else study_flags
+    study_flags = [flag for flag in study_flags if flag != "--compile"]  # extra_flags say whether it compiles
     return [sys.executable, "torchrun_main.py", *without_flags(study_flags, BENCHMARK_FLAGS),
             "--model_config", args.trainer_config, "--dtype", trainer_dtype(args, study_flags),
             "--num_training_steps", str(args.trainer_steps), "--warmup_steps", "1", "--eval_every", str(10**6),
@@ -376,6 +381,7 @@ def trainer_section(args) -> list[dict]:
                      "dtype": trainer_dtype(args, flags[tree]),
                      "packing": "--packing" in flags[tree],
                      "study_flags_of": "working tree" if flags[tree] is args.study_flags else args.before,
+                     "as_that_study_runs": ("--compile" in flags[tree]) == (variant == "compile"),
                      "threads": args.trainer_threads, "steps": args.trainer_steps,
                      **{f"tokens_per_s_{k}": round(v, 1) for k, v in stats.items() if k != "n"},
                      "wall_s_median": round(statistics.median(r["wall_s"] for r in runs_of_variant), 1),
@@ -386,7 +392,8 @@ def trainer_section(args) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------- layout section
 def run_side_by_side(args, out_dirs: list[Path], threads: int) -> dict:
     """The runs of `out_dirs` started together, `threads` threads each; the total of their rates."""
-    procs = [subprocess.Popen(trainer_command(args, [], out_dir), cwd=REPO, env=trainer_env(threads),
+    as_the_study = [flag for flag in args.study_flags if flag == "--compile"]
+    procs = [subprocess.Popen(trainer_command(args, as_the_study, out_dir), cwd=REPO, env=trainer_env(threads),
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for out_dir in out_dirs]
     errors = [proc.communicate()[1] for proc in procs]
     for proc, err in zip(procs, errors):
@@ -457,6 +464,11 @@ def ratios(model_rows, trainer_rows, layout_rows=()) -> dict:
                 f"({best_hf['model']} {best_hf['dtype']})"] = round(
                 best_ours["tokens_per_s_median"] / best_hf["tokens_per_s_median"], 3)
     before = {r["variant"]: r["tokens_per_s_median"] for r in trainer_rows if r["tree"] == "before"}
+    as_its_study = {r["tree"]: r for r in trainer_rows if r.get("as_that_study_runs")}
+    if len(as_its_study) == 2:
+        after_row, before_row = as_its_study["after"], as_its_study["before"]
+        out[f"trainer as its study flags run it: after {after_row['variant']} / before {before_row['variant']}"] = \
+            round(after_row["tokens_per_s_median"] / before_row["tokens_per_s_median"], 3)
     for r in trainer_rows:
         for variant, rate in before.items():
             if r["tree"] == "after":
@@ -507,7 +519,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile_top", type=int, default=12, help="ops listed per variant by the profile section")
     parser.add_argument("--trainer_config", default=STUDY_CONFIG)
     parser.add_argument("--trainer_dtype", default=None, choices=["float32", "bfloat16", "mixed"],
-                        help="default: the study's own dtype (float32 on CPU; see utils/compare_norms.py)")
+                        help="default: the study's own dtype (mixed unless the study says otherwise; see "
+                             "utils/compare_norms.py)")
     parser.add_argument("--before_flags", default="same", choices=["same", "own"],
                         help="trainer section: 'same' runs the before tree with today's study flags (the code's "
                              "speed alone); 'own' with the flags of its own utils/compare_norms.py, dtype and "
@@ -517,7 +530,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trainer_repeats", type=int, default=3)
     parser.add_argument("--trainer_threads", type=int, default=1, help="OMP_NUM_THREADS of each trainer run")
     parser.add_argument("--trainer_variants", nargs="+", default=list(TRAINER_VARIANTS), choices=TRAINER_VARIANTS,
-                        help="eager: the trainer's defaults; compile: with --compile; each run for both trees")
+                        help="eager or compiled (--compile), whatever the study's own mode; each run for both "
+                             "trees, and each row says whether its mode is the study's")
     parser.add_argument("--layout_cores", type=int, default=2,
                         help="cores the layout section shares out (the study's --jobs; this machine has 2)")
     parser.add_argument("--out", default=str(REPO / "runs" / "benchmark_model"))
@@ -577,8 +591,9 @@ def main(argv=None):
     print_table(model_rows, ["config", "batch", "seq_len", "dtype", "model", "mode", "tokens_per_s_median",
                              "tokens_per_s_min", "tokens_per_s_max"])
     print("\ntrainer (tokens/s from metrics.jsonl; median over runs of the per-run median)")
-    print_table(trainer_rows, ["tree", "variant", "study_flags_of", "dtype", "packing", "threads",
-                               "tokens_per_s_median", "tokens_per_s_min", "tokens_per_s_max", "wall_s_median"])
+    print_table(trainer_rows, ["tree", "variant", "study_flags_of", "as_that_study_runs", "dtype", "packing",
+                               "threads", "tokens_per_s_median", "tokens_per_s_min", "tokens_per_s_max",
+                               "wall_s_median"])
     print("\nlayout (total training tokens/s of the machine; median over repeats, min-max)")
     print_table(layout_rows, ["layout", "dtype", "total_tokens_per_s_median", "total_tokens_per_s_min",
                               "total_tokens_per_s_max"])

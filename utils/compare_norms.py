@@ -1,6 +1,8 @@
 """CPU-scale study: Pre-LN against LNS (and the other placements) on one data set and budget, with every instrument.
 
-    python utils/compare_norms.py                      # default budget: about 2 hours on 2 CPU cores
+    python utils/compare_norms.py                      # default budget: about an hour on 2 CPU cores with bf16
+                                                       #   instructions (mixed precision, compiled: the defaults)
+    python utils/compare_norms.py --dtype float32 --no-compile  # the committed float32 records in docs/study/
     python utils/compare_norms.py --budget rivals      # + every other baseline and rival, a second pure-bf16 seed,
                                                        #   Post-LN, Mix-LN and DeepNorm at 3 seeds (resumes)
     python utils/compare_norms.py --budget long        # Pre-LN vs LNS at 5x the steps (resumes across calls)
@@ -44,14 +46,13 @@ class Arm:
 def study_dtype_reason(dtype: str) -> str:
     """The report's sentence on what the study's own arms train in, and why."""
     if dtype == "mixed":
-        return ("Our own arms train in mixed precision (--dtype mixed): bf16 autocast over fp32 master weights and "
-                "fp32 Adam state, the faster step on a CPU with bf16 instructions (docs/study.md).")
-    return ("Our own arms train in float32 (the default): fp32 master weights as with --dtype mixed, and fp32 "
-            "compute, the same on every host, so that records carry between hosts. On a CPU without bf16 "
-            "instructions it is also the fastest: measured there, one thread, llama_tiny_deep, 16 x 128 packed "
-            "tokens, float32 1,417 tokens/s, mixed 484, pure bfloat16 about 540 (torchrun_main.py ... --dtype "
-            "{float32,mixed,bfloat16}, median of the updates after warm-up). On a CPU with bf16 instructions "
-            "--dtype mixed is faster (docs/study.md).")
+        return ("Our own arms train in mixed precision (--dtype mixed, the default): bf16 autocast over fp32 master "
+                "weights and fp32 Adam state, the faster step on a CPU with bf16 instructions (docs/study.md).")
+    return ("Our own arms train in float32 (--dtype float32): fp32 master weights as with --dtype mixed, and fp32 "
+            "compute, the same on every host. On a CPU without bf16 instructions it is also the fastest: measured "
+            "there, one thread, llama_tiny_deep, 16 x 128 packed tokens, float32 1,417 tokens/s, mixed 484, pure "
+            "bfloat16 about 540 (torchrun_main.py ... --dtype {float32,mixed,bfloat16}, median of the updates after "
+            "warm-up). On a CPU with bf16 instructions --dtype mixed is faster (docs/study.md).")
 
 
 REFERENCE_EMBED_STD = math.sqrt(2 / 5)  # the uploaded reference code's embedding init (5d4dd11)
@@ -416,7 +417,7 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
     figure_lines = "\n\n".join(f"![{name}]({rel(path)})" for name, path in figures.items())
     text = f"""# CPU-scale study: does the curse of depth appear, and does LNS lift it?
 
-{study_lib.generated_by('utils/compare_norms.py', argv)}; this invocation took
+{study_lib.generated_by('utils/compare_norms.py', argv, args)}; this invocation took
 {(time.time() - started) / 60:.1f} minutes. {status} {reused} records were reused from earlier invocations; the
 {len(records)} runs trained for {train_minutes:.0f} minutes and were analysed for {analysis_minutes:.0f} minutes
 ({len(timed)} runs timed), one thread each, {args.jobs} at a time: {run_minutes:.0f} run-minutes, by group
@@ -466,7 +467,8 @@ arm's loss is lower than the reference's with an interval that excludes zero, **
   each layer in turn (layer_remove.py --sweep, {s['removal_documents']} documents); the norm gains.
 - **Speed**: median {statistics.median(speeds) if speeds else float('nan'):,.0f} tokens/s per run
   (one thread per run, {args.jobs} runs at a time, {'torch.compile' if args.compile else 'eager'}, {args.dtype}).
-- **Machine**: {study_lib.machine_description()}; {study_lib.software_versions()}.
+- **Machine** of the runs: {study_lib.records_machines(records)}. This text was written on
+  {study_lib.machine_description()}; {study_lib.software_versions()}.
 
 ### Is the budget long enough, and not past overfitting?
 

@@ -1,6 +1,7 @@
 """Where does the curse of depth begin? Pre-LN against LNS at several depths, with the study's instruments.
 
-    python utils/depth_sweep.py                  # default budget: at most about 2 hours on 2 CPU cores
+    python utils/depth_sweep.py                  # default budget (mixed precision, compiled: the defaults)
+    python utils/depth_sweep.py --dtype float32 --no-compile  # the committed float32 records in docs/depth_sweep/
     python utils/depth_sweep.py --budget deep    # adds L=96 to the default's records (resumes across invocations)
     python utils/depth_sweep.py --budget long    # 3x the tokens per run (resumes across invocations)
     python utils/depth_sweep.py --overfit_probe  # also find where the corpus overfits at the deepest depth
@@ -385,7 +386,7 @@ def write_report(args, records, skipped, started, argv, probe: dict | None = Non
     rel = lambda p: Path(p).resolve().relative_to(out.resolve())  # noqa: E731
     text = f"""# Depth sweep: Pre-LN against LNS at L = {', '.join(map(str, depths))}
 
-{study_lib.generated_by('utils/depth_sweep.py', argv)}; this invocation took
+{study_lib.generated_by('utils/depth_sweep.py', argv, args)}; this invocation took
 {(time.time() - started) / 60:.1f} minutes. {status}
 {sum(r.get('reused') == 'record' for r in records.values())} records were reused from earlier invocations; the runs
 trained for {sum(r['train_seconds'] for r in records.values()) / 60:.0f} minutes in total.
@@ -442,7 +443,8 @@ Deep = the deeper half of the layers.
   held-out documents.
 - **Seeds**: {', '.join(map(str, s['seeds']))}, paired across norm types and depths.
 - **Speed** (median tokens/s per run, one thread, {'torch.compile' if args.compile else 'eager'}, {args.dtype}): {', '.join(f"L={d}: {np.median(v):,.0f}" for d, v in speeds.items() if v)}.
-- **Machine**: {study_lib.machine_description()}; {study_lib.software_versions()}.
+- **Machine** of the runs: {study_lib.records_machines(records)}. This text was written on
+  {study_lib.machine_description()}; {study_lib.software_versions()}.
 
 Raw numbers: one JSON record per run in `runs/`, and `summary{suffix}.json`.
 """

@@ -15,6 +15,7 @@ offline held-out task, all inside the trained context length.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import csv
 import dataclasses
@@ -94,17 +95,17 @@ def add_study_arguments(parser: argparse.ArgumentParser, budgets: dict) -> None:
                         help="start no new run after this many hours; the next invocation continues")
     parser.add_argument("--report_only", action="store_true", help="write the report from the saved records")
     parser.add_argument("--fresh", action="store_true", help="retrain and re-analyse even where records exist")
-    parser.add_argument("--compile", action="store_true",
-                        help="train every run with torch.compile: on the 2-core CPU about 1.3x the tokens/s per "
-                             "update, for 1-2 minutes of compilation in a configuration's first run and about 10 s "
-                             "in later ones (docs/benchmarks.md); its runs are distinct records from eager ones, in "
-                             "their own default folders")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPE_LABELS),
-                        help="what the runs that are not pure-bf16 arms train in. float32 (the default) computes "
-                             "in fp32 on every host, so records carry between hosts; mixed (bf16 autocast over "
-                             "fp32 master weights) is the faster step on a CPU with bf16 instructions (avx512_bf16 "
-                             "or AMX) and the slower one without them (docs/study.md); its runs are distinct "
-                             "records, in their own default folders")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="train every run with torch.compile (the default; --no-compile trains eager): 1.5x "
+                             "the tokens/s per update in mixed precision on a CPU with bf16 instructions, for 1-2 "
+                             "minutes of compilation in a configuration's first run and about 10 s in later ones "
+                             "(docs/benchmarks.md); compiled and eager runs are distinct records")
+    parser.add_argument("--dtype", default="mixed", choices=sorted(DTYPE_LABELS),
+                        help="what the runs that are not pure-bf16 arms train in. mixed (the default: bf16 autocast "
+                             "over fp32 master weights) is the faster step on a CPU with bf16 instructions "
+                             "(avx512_bf16 or AMX) and the slower one without them; float32 computes in fp32 on "
+                             "every host, as the committed float32 records did (docs/study.md). The two are "
+                             "distinct records")
 
 
 def resolve_study_args(parser: argparse.ArgumentParser, args, budgets: dict) -> None:
@@ -118,7 +119,9 @@ def resolve_study_args(parser: argparse.ArgumentParser, args, budgets: dict) -> 
         parser.error(f"--max_hours must be positive, got {args.max_hours}")
     if args.dtype == "mixed" and not bf16_instructions():
         print("note: this CPU names no bf16 instructions (avx512_bf16, amx_bf16); --dtype mixed emulates bf16 "
-              "products here and trains slower than float32 (docs/study.md)", file=sys.stderr)
+              "products here and trains about 3x slower than --dtype float32 (docs/study.md)", file=sys.stderr)
+    # Folders are named from float32 eager, the precision and mode of the records committed before the default
+    # became mixed and compiled: those keep their plain names, every other setting gets a suffix.
     variant = ("" if args.dtype == "float32" else f"_{args.dtype}") + ("_compile" if args.compile else "")
     args.out = Path(args.out or REPO / variant_folder(args.settings["out"], variant))
     args.runs_dir = Path(args.runs_dir or REPO / variant_folder(args.settings["runs_dir"], variant))
@@ -145,15 +148,21 @@ def collect_records(args, specs: list[RunSpec]) -> tuple[dict[str, dict], list[R
     """The records of every spec: read back (--report_only), or made by running the jobs that have none."""
     settings = analysis_settings(args.settings)
     records_dir = args.out / "runs"
-    # --compile and --dtype are part of each run's flags, so runs that differ in them never stand in for each other
-    specs = [dataclasses.replace(spec, train_flags=with_study_dtype(spec.train_flags, args.dtype)) for spec in specs]
-    if args.compile:
-        specs = [dataclasses.replace(spec, train_flags=(*spec.train_flags, "--compile")) for spec in specs]
+    specs = as_trained(args, specs)
     if args.report_only:
         records = load_records(specs, settings, records_dir)
         return records, [spec for spec in specs if spec.name not in records]
     deadline = None if args.max_hours is None else time.time() + 3600 * args.max_hours
     return run_jobs(specs, settings, args.runs_dir, records_dir, args.jobs, args.fresh, deadline)
+
+
+def as_trained(args, specs: list[RunSpec]) -> list[RunSpec]:
+    """The specs with the study's --dtype and --compile in their flags, as their runs train. Both are part of the
+    flags a record is matched on, so runs that differ in them never stand in for each other."""
+    specs = [dataclasses.replace(spec, train_flags=with_study_dtype(spec.train_flags, args.dtype)) for spec in specs]
+    if args.compile:
+        specs = [dataclasses.replace(spec, train_flags=(*spec.train_flags, "--compile")) for spec in specs]
+    return specs
 
 
 def with_study_dtype(train_flags: tuple[str, ...], dtype: str) -> tuple[str, ...]:
@@ -164,9 +173,17 @@ def with_study_dtype(train_flags: tuple[str, ...], dtype: str) -> tuple[str, ...
     return (*train_flags[:at], dtype, *train_flags[at + 1:])
 
 
-def generated_by(script: str, argv: list[str]) -> str:
-    """The report's first words: the command that made its records, and whether --report_only rewrote the text."""
-    command = " ".join(["python", script, *(a for a in argv if a != "--report_only")])
+def generated_by(script: str, argv: list[str], args) -> str:
+    """The report's first words: the command that made its records, and whether --report_only rewrote the text.
+
+    The command always names --dtype and --compile, so that it still says what trained the records when a default
+    changes."""
+    shown = [a for a in argv if a != "--report_only"]
+    if "--dtype" not in shown:
+        shown += ["--dtype", args.dtype]
+    if not {"--compile", "--no-compile"} & set(shown):
+        shown.append("--compile" if args.compile else "--no-compile")
+    command = " ".join(["python", script, *shown])
     rewritten = " (this text rewritten from its saved records with `--report_only`)" if "--report_only" in argv else ""
     return f"Generated by `{command}`{rewritten}"
 
@@ -322,7 +339,7 @@ def run_job(spec: RunSpec, settings: AnalysisSettings, runs_dir: Path, records_d
                   analysis_settings=dataclasses.asdict(settings), status=results["status"],
                   last_step=int(results["step"]), final_eval_loss=results.get("final_eval_loss"),
                   diverged_reason=results.get("diverged_reason"), tokens_seen=results.get("tokens_seen"),
-                  train_seconds=float(seconds_file.read_text()),
+                  train_seconds=float(seconds_file.read_text()), machine=machine_description(),
                   analysis_seconds=round(time.perf_counter() - analysis_started, 1),
                   **curves_from_metrics(run_dir / "metrics.jsonl"), analyses=analyses)
     _write_json_atomic(record_path, record)
@@ -677,6 +694,15 @@ def bf16_instructions() -> list[str]:
     """The CPU's bf16 matrix instructions named in /proc/cpuinfo (none on CPUs whose cpuinfo says "Features")."""
     flags = (cpuinfo_field("flags") or "").split()
     return [flag for flag in ("avx512_bf16", "amx_bf16") if flag in flags]
+
+
+def records_machines(records: dict[str, dict]) -> str:
+    """Where the records were made, as each says (a report rewritten with --report_only may be written elsewhere)."""
+    counts = collections.Counter(record.get("machine") for record in records.values())
+    made = [f"{machine} ({count} runs)" for machine, count in counts.items() if machine]
+    if counts.get(None):
+        made.append(f"not recorded for {counts[None]} runs (records made before a record named its machine)")
+    return "; ".join(made) or "no records yet"
 
 
 def machine_description() -> str:
