@@ -73,6 +73,7 @@ def test_quick_layout_benchmark_runs_both_layouts(tmp_path):
     benchmark_model.main(["--quick", "--sections", "layout", "--layout_cores", "2", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "benchmark.json").read_text())
     assert [(row["processes"], row["threads"]) for row in report["layout"]] == [(2, 1), (1, 2)]
+    assert {row["variant"] for row in report["layout"]} == {"eager"}  # --quick keeps to eager; the study compiles
     assert all(row["total_tokens_per_s_median"] > 0 for row in report["layout"])
     assert any(key.startswith("layout: ") for key in report["ratios"])
     assert (tmp_path / "layout.csv").read_text().startswith("layout,")

@@ -220,7 +220,7 @@ def test_depth_sweep_quick_end_to_end_then_reuses_every_record(tmp_path):
         assert (out / png).stat().st_size > 1000
     record = json.loads(next((out / "runs").glob("L4-lns-seed1.json")).read_text())
     assert record["machine"] == study_lib.machine_description()
-    assert f"**Machine** of the runs: {record['machine']} (8 runs)." in report
+    assert f"**Machine** of the runs: {record['machine']} (9 runs)." in report  # the probe too
     analysed = record["analyses"][max(record["analyses"], key=int)]
     assert len(analysed["jacobian_rel_identity_dev"]) == 4 and len(analysed["removal_nats"]) == 4
     assert len(analysed["removal_document_nats"]) == 2 and len(analysed["removal_document_costs"]) == 4  # 2 documents
@@ -399,6 +399,7 @@ def test_a_dtype_or_compile_variant_gets_its_own_default_folders(study, budget, 
     (["--budget", "long", "--no-compile"], "python utils/compare_norms.py --budget long --no-compile --dtype mixed`"),
     (["--dtype", "float32", "--no-compile", "--report_only"],
      "python utils/compare_norms.py --dtype float32 --no-compile` (this text rewritten"),
+    (["--dtype=float32"], "python utils/compare_norms.py --dtype=float32 --compile`"),
 ])
 def test_a_report_names_the_precision_and_mode_it_was_trained_in(argv, command):
     """The report's command stays true when a default changes: it always names --dtype and --compile."""
@@ -412,3 +413,23 @@ def test_a_report_names_the_machines_its_records_were_made_on():
     line = study_lib.records_machines(records)
     assert line.startswith("Xeon (2 runs); EPYC (1 runs); not recorded for 1 runs")
     assert study_lib.records_machines({}) == "no records yet"
+
+
+def test_the_overfit_probe_is_found_again_in_the_default_setting(tmp_path, monkeypatch):
+    """A later invocation without --overfit_probe reads back the probe that --overfit_probe trained, in the mixed,
+    compiled default as in float32."""
+    def fake_run_jobs(specs, settings, runs_dir, records_dir, *rest):
+        records_dir.mkdir(parents=True, exist_ok=True)
+        records = {}
+        for spec in specs:
+            records[spec.name] = dict(version=study_lib.RECORD_VERSION, arm=spec.arm, seed=spec.seed,
+                                      flags=spec.flags(), analysis_settings=dataclasses.asdict(settings),
+                                      status="finished", last_step=8, analyses={}, eval_curve=[[8, 5.0]])
+            (records_dir / f"{spec.name}.json").write_text(json.dumps(records[spec.name]))
+        return records, []
+
+    monkeypatch.setattr(study_lib, "run_jobs", fake_run_jobs)
+    folders = ["--quick", "--out", str(tmp_path / "report"), "--runs_dir", str(tmp_path / "runs")]
+    trained = depth_sweep.collect_probe(depth_sweep.parse_args([*folders, "--overfit_probe"]))
+    assert "--compile" in trained["flags"] and trained["flags"][trained["flags"].index("--dtype") + 1] == "mixed"
+    assert depth_sweep.collect_probe(depth_sweep.parse_args(folders))["flags"] == trained["flags"]

@@ -17,7 +17,7 @@ Five sections; all but profile print the median and the spread (min-max) of ever
   its study's own mode; a row says whether its mode is the study's, and a ratio compares those two rows.
 * layout (asked for by name): the same trainer runs, `--layout_cores` of them side by side with one thread each (as
   the study runs them), against one after another with `--layout_cores` threads each; the figure is the machine's
-  total tokens/s.
+  total tokens/s. They run in the study's own mode if `--trainer_variants` has it, else in the first variant.
 * profile: where our model's step spends its time, op by op (torch.profiler, self CPU time), at the first of
   --shapes, for each of --dtypes and --modes; a compiled step is listed kernel by kernel (inductor's generated
   kernels carry names such as cpp_fused_..._silu_...).
@@ -390,10 +390,16 @@ def trainer_section(args) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------------- layout section
+def layout_variant(args) -> str:
+    """The study's own mode, if --trainer_variants has it (--quick keeps to eager), else the first of them."""
+    study = "compile" if "--compile" in args.study_flags else "eager"
+    return study if study in args.trainer_variants else args.trainer_variants[0]
+
+
 def run_side_by_side(args, out_dirs: list[Path], threads: int) -> dict:
     """The runs of `out_dirs` started together, `threads` threads each; the total of their rates."""
-    as_the_study = [flag for flag in args.study_flags if flag == "--compile"]
-    procs = [subprocess.Popen(trainer_command(args, as_the_study, out_dir), cwd=REPO, env=trainer_env(threads),
+    mode_flags = TRAINER_VARIANTS[layout_variant(args)]
+    procs = [subprocess.Popen(trainer_command(args, mode_flags, out_dir), cwd=REPO, env=trainer_env(threads),
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for out_dir in out_dirs]
     errors = [proc.communicate()[1] for proc in procs]
     for proc, err in zip(procs, errors):
@@ -425,7 +431,7 @@ def layout_section(args) -> list[dict]:
         stats = spread([r["tokens_per_s"] for r in measured])
         rows.append({"layout": name, "processes": processes, "threads": threads,
                      "config": Path(args.trainer_config).name, "dtype": trainer_dtype(args, args.study_flags),
-                     "steps": args.trainer_steps,
+                     "variant": layout_variant(args), "steps": args.trainer_steps,
                      **{f"total_tokens_per_s_{k}": round(v, 1) for k, v in stats.items() if k != "n"},
                      "repeats": stats["n"], "per_repeat": [round(r["tokens_per_s"], 1) for r in measured]})
     return rows
@@ -595,7 +601,7 @@ def main(argv=None):
                                "threads", "tokens_per_s_median", "tokens_per_s_min", "tokens_per_s_max",
                                "wall_s_median"])
     print("\nlayout (total training tokens/s of the machine; median over repeats, min-max)")
-    print_table(layout_rows, ["layout", "dtype", "total_tokens_per_s_median", "total_tokens_per_s_min",
+    print_table(layout_rows, ["layout", "dtype", "variant", "total_tokens_per_s_median", "total_tokens_per_s_min",
                               "total_tokens_per_s_max"])
     print("\nprofile (our step; self CPU time per step, share of the step's total)")
     print_table(profile_rows, ["dtype", "mode", "op", "self_ms_per_step", "share", "calls_per_step"])

@@ -1,7 +1,8 @@
 """CPU-scale study: Pre-LN against LNS (and the other placements) on one data set and budget, with every instrument.
 
-    python utils/compare_norms.py                      # default budget: about an hour on 2 CPU cores with bf16
-                                                       #   instructions (mixed precision, compiled: the defaults)
+    python utils/compare_norms.py                      # default budget: 45 minutes on 2 CPU cores with bf16
+                                                       #   instructions (mixed precision, compiled: the defaults;
+                                                       #   without them, --dtype float32 is about 3x faster)
     python utils/compare_norms.py --dtype float32 --no-compile  # the committed float32 records in docs/study/
     python utils/compare_norms.py --budget rivals      # + every other baseline and rival, a second pure-bf16 seed,
                                                        #   Post-LN, Mix-LN and DeepNorm at 3 seeds (resumes)

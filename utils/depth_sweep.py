@@ -143,7 +143,8 @@ def collect_probe(args) -> dict | None:
     if args.overfit_probe:  # collect_records only reads records back under --report_only
         records, _ = study_lib.collect_records(args, [spec])
     else:
-        records = study_lib.load_records([spec], study_lib.analysis_settings(args.settings), args.out / "runs")
+        records = study_lib.load_records(study_lib.as_trained(args, [spec]), study_lib.analysis_settings(args.settings),
+                                         args.out / "runs")
     return records.get(spec.name)
 
 
@@ -380,6 +381,7 @@ def write_report(args, records, skipped, started, argv, probe: dict | None = Non
     train_tokens = study_lib.embedded_train_tokens()
     specs = run_specs(args)
     status = study_lib.run_status(records, len(specs), skipped)
+    machines = study_lib.records_machines({**records, "probe": probe} if probe else records)
     speeds = {d: [r["tokens_per_s_median"] for r in records.values()
                   if r["arm"].startswith(f"L{d}-") and r.get("tokens_per_s_median")] for d in depths}
     config = json.loads((REPO / BASE_CONFIG).read_text())
@@ -443,7 +445,7 @@ Deep = the deeper half of the layers.
   held-out documents.
 - **Seeds**: {', '.join(map(str, s['seeds']))}, paired across norm types and depths.
 - **Speed** (median tokens/s per run, one thread, {'torch.compile' if args.compile else 'eager'}, {args.dtype}): {', '.join(f"L={d}: {np.median(v):,.0f}" for d, v in speeds.items() if v)}.
-- **Machine** of the runs: {study_lib.records_machines(records)}. This text was written on
+- **Machine** of the runs: {machines}. This text was written on
   {study_lib.machine_description()}; {study_lib.software_versions()}.
 
 Raw numbers: one JSON record per run in `runs/`, and `summary{suffix}.json`.

@@ -179,7 +179,7 @@ def generated_by(script: str, argv: list[str], args) -> str:
     The command always names --dtype and --compile, so that it still says what trained the records when a default
     changes."""
     shown = [a for a in argv if a != "--report_only"]
-    if "--dtype" not in shown:
+    if not any(a == "--dtype" or a.startswith("--dtype=") for a in shown):
         shown += ["--dtype", args.dtype]
     if not {"--compile", "--no-compile"} & set(shown):
         shown.append("--compile" if args.compile else "--no-compile")
