@@ -35,8 +35,8 @@ from peft_pretraining.dataloader import (
     iter_eval_batches,
     load_tokenizer,
 )
-from peft_pretraining.distributed import (broadcast_from_rank0, grad_sync, init_distributed, report_exit_code,
-                                          wrap_model)
+from peft_pretraining.distributed import (broadcast_from_rank0, grad_sync, init_distributed, leave_process_group,
+                                          report_exit_code, wrap_model)
 from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config, canonical_norm_type
 
 VOCAB_MULTIPLE = 64
@@ -187,7 +187,7 @@ def main(argv=None) -> int:
                      run_folder.EXIT_NO_SPACE)
     finally:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            leave_process_group()
     return report_exit_code(code)
 
 

@@ -13,6 +13,7 @@ Dtypes by wrapper and --dtype (what the forward/backward computes in, what the o
 import contextlib
 import datetime
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -82,16 +83,27 @@ def grad_sync(model, is_last_micro_batch: bool):
 
 
 def broadcast_from_rank0(values: list) -> None:
-    """dist.broadcast_object_list from rank 0, then a barrier, on every rank.
-
-    The barrier is there for gloo: its worker thread frees a broadcast's tensors after the broadcast returns, and
-    freeing them needs the GIL. A run that ends right after the broadcast (an error every rank raises) can destroy
-    the process group, which joins that thread while holding the GIL: a deadlock at exit (seen in about 1 of 15
-    runs of tests/test_faults.py's rank-0 save failure). While a barrier waits it releases the GIL, the thread
-    frees the tensors, and a barrier leaves no tensor behind.
-    """
+    """dist.broadcast_object_list from rank 0, then a barrier, on every rank: no rank leaves while another still
+    waits on the broadcast (see leave_process_group for what may still be pending after it)."""
     dist.broadcast_object_list(values, src=0)
     dist.barrier()
+
+
+# How long the main thread gives up the GIL before the process group goes (see leave_process_group).
+GLOO_WORKER_GRACE_S = 0.1
+
+
+def leave_process_group() -> None:
+    """Destroy the process group once gloo's worker threads have finished their last collective.
+
+    A gloo worker thread frees a collective's tensors after the collective has returned, and freeing a tensor made
+    in Python needs the GIL. Destroying the group (here, or in the garbage collection that frees DDP's reducer at
+    exit) joins those threads while holding the GIL, so a worker still waiting for the GIL deadlocks the exit. That
+    happened in about 1 of 15 runs of tests/test_faults.py's rank-0 save failure, where every rank exits right after
+    a broadcast; a barrier after the broadcast made it rarer, not impossible, because gloo has two worker threads.
+    Sleeping releases the GIL, so a waiting worker frees its tensors first; no collective runs after this."""
+    time.sleep(GLOO_WORKER_GRACE_S)
+    dist.destroy_process_group()
 
 
 def report_exit_code(code: int) -> int:
