@@ -143,8 +143,7 @@ def collect_probe(args) -> dict | None:
     if args.overfit_probe:  # collect_records only reads records back under --report_only
         records, _ = study_lib.collect_records(args, [spec])
     else:
-        records = study_lib.load_records(study_lib.as_trained(args, [spec]), study_lib.analysis_settings(args.settings),
-                                         args.out / "runs")
+        records = study_lib.saved_records(args, [spec])
     return records.get(spec.name)
 
 

@@ -146,14 +146,17 @@ def analysis_settings(settings: dict) -> AnalysisSettings:
 
 def collect_records(args, specs: list[RunSpec]) -> tuple[dict[str, dict], list[RunSpec]]:
     """The records of every spec: read back (--report_only), or made by running the jobs that have none."""
-    settings = analysis_settings(args.settings)
-    records_dir = args.out / "runs"
-    specs = as_trained(args, specs)
     if args.report_only:
-        records = load_records(specs, settings, records_dir)
-        return records, [spec for spec in specs if spec.name not in records]
+        records = saved_records(args, specs)
+        return records, [spec for spec in as_trained(args, specs) if spec.name not in records]
     deadline = None if args.max_hours is None else time.time() + 3600 * args.max_hours
-    return run_jobs(specs, settings, args.runs_dir, records_dir, args.jobs, args.fresh, deadline)
+    return run_jobs(as_trained(args, specs), analysis_settings(args.settings), args.runs_dir, args.out / "runs",
+                    args.jobs, args.fresh, deadline)
+
+
+def saved_records(args, specs: list[RunSpec]) -> dict[str, dict]:
+    """The records already saved for `specs`, matched as the study's --dtype and --compile train them; none trained."""
+    return load_records(as_trained(args, specs), analysis_settings(args.settings), args.out / "runs")
 
 
 def as_trained(args, specs: list[RunSpec]) -> list[RunSpec]:
