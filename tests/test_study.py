@@ -139,6 +139,26 @@ def test_compare_norms_budgets_give_each_group_its_seeds():
     assert rivals["post"] == rivals["peri"] == rivals["pre_embed_ref"] == [1, 2, 3]
     assert rivals["pre_bf16"] == rivals["lns_bf16"] == [1, 2]
     assert all(seeds == [4] for seeds in seeds_of(["--seeds", "4"]).values())
+    long_rivals = seeds_of(["--budget", "long_rivals"])
+    assert long_rivals["pre"] == long_rivals["post"] == long_rivals["skipinit"] == [1, 2, 3]
+    assert "pre_bf16" not in long_rivals
+    assert seeds_of(["--budget", "long_rivals", "--arms", "pre", "skipinit"]).keys() == {"pre", "skipinit"}
+
+
+def test_long_rivals_reuses_the_long_studys_pre_ln_and_lns_records():
+    """The rivals join the long study as arms: the same records folder, and Pre-LN and LNS runs identical to `long`'s,
+    so their records are reused rather than trained again."""
+    def specs_of(budget):
+        args = compare_norms.parse_args(["--budget", budget])
+        return args, {spec.name: spec for spec in compare_norms.run_specs(args, compare_norms.study_arms(args))}
+
+    long_args, long_specs = specs_of("long")
+    rivals_args, rivals_specs = specs_of("long_rivals")
+    assert rivals_args.out == long_args.out and rivals_args.runs_dir == long_args.runs_dir
+    assert set(long_specs) < set(rivals_specs)
+    assert all(rivals_specs[name] == spec for name, spec in long_specs.items())
+    assert "--num_training_steps" in (flags := rivals_specs["skipinit-seed1"].train_flags)
+    assert flags[flags.index("--num_training_steps") + 1] == "1500"
 
 
 def test_projected_wall_time_replays_the_two_lane_schedule():
@@ -383,6 +403,7 @@ def test_the_studies_default_to_mixed_precision_compiled(study):
     (compare_norms, "default", ["--no-compile"], "docs/study_mixed", "runs/study_mixed"),
     (compare_norms, "long", [], "docs/study_long_mixed_compile", "runs/study_long_mixed_compile"),
     (compare_norms, "long", ["--dtype", "float32", "--no-compile"], "docs/study_long", "runs/study_long"),
+    (compare_norms, "long_rivals", [], "docs/study_long_mixed_compile", "runs/study_long_mixed_compile"),
     (compare_norms, "quick", ["--dtype", "float32"], "runs/study_quick_compile/report", "runs/study_quick_compile"),
     (depth_sweep, "default", [], "docs/depth_sweep_mixed_compile", "runs/depth_sweep_mixed_compile"),
     (depth_sweep, "default", ["--dtype", "float32", "--no-compile"], "docs/depth_sweep", "runs/depth_sweep"),

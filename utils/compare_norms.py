@@ -7,6 +7,9 @@
     python utils/compare_norms.py --budget rivals      # + every other baseline and rival, a second pure-bf16 seed,
                                                        #   Post-LN, Mix-LN and DeepNorm at 3 seeds (resumes)
     python utils/compare_norms.py --budget long        # Pre-LN vs LNS at 5x the steps (resumes across calls)
+    python utils/compare_norms.py --budget long_rivals --arms pre lns skipinit layerscale
+                                                       # chosen rivals at 5x the steps, beside the long Pre-LN and
+                                                       #   LNS records (all 48 new runs: about 9 hours on 2 cores)
     python utils/compare_norms.py --quick              # smoke test (CI), a few minutes
     python utils/compare_norms.py --report_only        # rewrite the report from the saved records
 
@@ -97,6 +100,10 @@ BUDGETS = {
     "rivals": dict(groups=("core", "precision", "norms", "rivals"), precision_seeds=(1, 2), norms_seeds=(1, 2, 3),
                    report_suffix="_rivals"),
     "long": dict(steps=1500, warmup=75, groups=("core",), out="docs/study_long", runs_dir="runs/study_long"),
+    # the long budget plus Post-LN, Mix-LN, DeepNorm and the rivals at every seed (same records folder as `long`,
+    # whose Pre-LN and LNS records it reuses; its own report_rivals.md). `--arms` picks a few: each run is long.
+    "long_rivals": dict(steps=1500, warmup=75, groups=("core", "norms", "rivals"), norms_seeds=(1, 2, 3),
+                        out="docs/study_long", runs_dir="runs/study_long", report_suffix="_rivals"),
     "quick": dict(model_config="configs/llama_tiny.json", steps=6, warmup=1, batch_size=4, max_length=64,
                   eval_tokens=1_024, seeds=(1, 2), precision_seeds=(1, 2), norms_seeds=(1, 2), dynamics_points=2,
                   groups=("core", "precision", "norms"),
