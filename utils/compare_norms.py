@@ -89,6 +89,7 @@ ARM_BY_NAME = {arm.name: arm for arm in ARMS}
 SEED_KEYS = {"core": "seeds", "precision": "precision_seeds", "norms": "norms_seeds", "rivals": "seeds"}
 
 # The budgets. Chosen for statistical power within the time limit, not tuned to the paper (see the report).
+LONG_BUDGET = dict(steps=1500, warmup=75, groups=("core",), out="docs/study_long", runs_dir="runs/study_long")
 BUDGETS = {
     "default": dict(model_config="configs/llama_tiny_deep.json", steps=300, warmup=30, batch_size=16,
                     max_length=128, eval_tokens=65_536, seeds=(1, 2, 3), dynamics_points=5,
@@ -99,11 +100,11 @@ BUDGETS = {
     # Post-LN, Mix-LN and DeepNorm at every seed (same records folder as the default; its own report_rivals.md)
     "rivals": dict(groups=("core", "precision", "norms", "rivals"), precision_seeds=(1, 2), norms_seeds=(1, 2, 3),
                    report_suffix="_rivals"),
-    "long": dict(steps=1500, warmup=75, groups=("core",), out="docs/study_long", runs_dir="runs/study_long"),
+    "long": LONG_BUDGET,
     # the long budget plus Post-LN, Mix-LN, DeepNorm and the rivals at every seed (same records folder as `long`,
     # whose Pre-LN and LNS records it reuses; its own report_rivals.md). `--arms` picks a few: each run is long.
-    "long_rivals": dict(steps=1500, warmup=75, groups=("core", "norms", "rivals"), norms_seeds=(1, 2, 3),
-                        out="docs/study_long", runs_dir="runs/study_long", report_suffix="_rivals"),
+    "long_rivals": {**LONG_BUDGET, "groups": ("core", "norms", "rivals"), "norms_seeds": (1, 2, 3),
+                    "report_suffix": "_rivals"},
     "quick": dict(model_config="configs/llama_tiny.json", steps=6, warmup=1, batch_size=4, max_length=64,
                   eval_tokens=1_024, seeds=(1, 2), precision_seeds=(1, 2), norms_seeds=(1, 2), dynamics_points=2,
                   groups=("core", "precision", "norms"),
