@@ -7,9 +7,10 @@ Several:         torchrun --nproc_per_node 4 torchrun_main.py ...   (nccl on GPU
 
 Exit codes:
     0  finished
-    1  an unexpected error (a traceback); on several ranks, every rank exits 1 when rank 0 fails to save
-    2  bad input: command line, checkpoint, a malformed file in the run folder, or a run folder in use by another process
-    3  diverged: NaN/inf loss, grad norm or weights, or --divergence_loss (see results.json); nothing non-finite is saved
+    1  an unexpected error (a traceback); on several ranks, all exit 1 when rank 0 fails to save
+    2  bad input: command line, checkpoint, a malformed file in the run folder, or a run folder held by
+       another process
+    3  diverged: NaN/inf loss, grad norm or weights, or --divergence_loss (results.json); nothing non-finite is saved
     4  no space left on device (one line naming the run folder; the partial checkpoint is removed, earlier ones kept)
 
 The run folder (peft_pretraining/run_folder.py) is locked by rank 0 for the whole run, recovered at start-up after a
