@@ -161,6 +161,20 @@ def test_long_rivals_reuses_the_long_studys_pre_ln_and_lns_records():
     assert flags[flags.index("--num_training_steps") + 1] == "1500"
 
 
+def test_a_sitting_with_arms_reports_every_arm_the_study_has_records_for(tmp_path):
+    """`--arms` picks what a sitting trains, not what its report shows: the committed long-rivals records of the arms
+    left out stay in the report, and an arm short of a seed makes the report partial."""
+    shutil.copytree(study_lib.REPO / "docs/study_long_mixed_compile/runs", tmp_path / "runs")
+    (tmp_path / "runs/skipinit-seed3.json").unlink()
+    assert compare_norms.main(["--budget", "long_rivals", "--arms", "pre", "lns", "--report_only",
+                               "--out", str(tmp_path)]) == 0
+    report = (tmp_path / "report_rivals.md").read_text()
+    for label in ("| Post-LN |", "| Mix-LN |", "| DeepNorm |", "| SkipInit |", "| LayerScale (per channel, 0.1) |"):
+        assert label in report
+    assert "**Partial**" in report and "skipinit-seed3" in report
+    assert "| Peri-LN |" not in report  # no records, so not in the report
+
+
 def test_projected_wall_time_replays_the_two_lane_schedule():
     specs = [study_lib.RunSpec(arm, 1, (), (4,)) for arm in ("a", "b", "c", "d")]
     minutes = {"a": 30, "b": 10, "c": 10, "d": 20}

@@ -116,7 +116,9 @@ BUDGETS = {
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     study_lib.add_study_arguments(parser, BUDGETS)
-    parser.add_argument("--arms", nargs="+", default=None, help=f"only these arms (of {', '.join(ARM_BY_NAME)})")
+    parser.add_argument("--arms", nargs="+", default=None,
+                        help=f"train only these arms (of {', '.join(ARM_BY_NAME)}); the report also keeps the "
+                             "budget's other arms that already have records")
     return parser
 
 
@@ -137,6 +139,20 @@ def parse_args(argv=None):
 def study_arms(args) -> list[Arm]:
     chosen = [arm for arm in ARMS if arm.group in args.settings["groups"]]
     return [arm for arm in chosen if arm.name in args.arms] if args.arms else chosen
+
+
+def with_saved_arms(args, arms: list[Arm], records: dict, skipped: list[RunSpec]):
+    """Add the budget's other arms that already have records, so that a sitting with --arms reports everything the
+    study has so far instead of only its own arms; their missing seeds count as not yet run."""
+    chosen = {arm.name for arm in arms}
+    others = [arm for arm in ARMS if arm.group in args.settings["groups"] and arm.name not in chosen]
+    other_specs = run_specs(args, others)
+    saved = study_lib.saved_records(args, other_specs)
+    with_records = {record["arm"] for record in saved.values()}
+    reported = [arm for arm in ARMS if arm.name in chosen or arm.name in with_records]
+    missing = [spec for spec in study_lib.as_trained(args, other_specs)
+               if spec.name not in saved and spec.arm in with_records]
+    return reported, {**records, **saved}, skipped + missing
 
 
 def run_specs(args, arms: list[Arm]) -> list[RunSpec]:
@@ -503,6 +519,8 @@ def main(argv=None) -> int:
     arms = study_arms(args)
     specs = run_specs(args, arms)
     records, skipped = study_lib.collect_records(args, specs)
+    if args.arms:
+        arms, records, skipped = with_saved_arms(args, arms, records, skipped)
     report = write_report(args, arms, records, skipped, started, argv)
     print(f"report: {report}")
     return 0
