@@ -172,6 +172,8 @@ def test_a_sitting_with_arms_reports_every_arm_the_study_has_records_for(tmp_pat
     for label in ("| Post-LN |", "| Mix-LN |", "| DeepNorm |", "| SkipInit |", "| LayerScale (per channel, 0.1) |"):
         assert label in report
     assert "**Partial**" in report and "skipinit-seed3" in report
+    skipinit_row = next(line for line in report.splitlines() if line.startswith("| SkipInit |"))
+    assert "| 2/3 (1 not yet run) |" in skipinit_row  # the budget's seeds, not only the recorded ones
     assert "| Peri-LN |" not in report  # no records, so not in the report
 
 

@@ -250,16 +250,22 @@ def verdict_lines(found: list[verdicts.Verdict]) -> str:
     return "\n".join(f"- {v.line()}" for v in found)
 
 
-def per_arm_table(records, arms: list[Arm]) -> str:
-    """One row per arm: eval loss, its paired effect against Pre-LN and against LNS, and the deep-layer measures."""
+def per_arm_table(records, arms: list[Arm], planned_seeds: dict[str, int] | None = None) -> str:
+    """One row per arm: eval loss, its paired effect against Pre-LN and against LNS, and the deep-layer measures.
+
+    `planned_seeds` (arm -> the budget's seed count) lets a partial study count an arm's unrun seeds; without it an
+    arm's seeds are the ones it has records for."""
     references = [name for name in ("pre", "lns") if any(r["arm"] == name for r in records.values())]
     rows = []
     for arm in arms:
         per_seed = values(records, arm.name, "eval_loss")
         finished = [v for v in per_seed.values() if v is not None]
         diverged = sum(1 for r in records.values() if r["arm"] == arm.name and r["status"] != "finished")
+        planned = max(len(per_seed), (planned_seeds or {}).get(arm.name, 0))
+        notes = [f"{diverged} diverged"] * bool(diverged) + [f"{planned - len(per_seed)} not yet run"] * bool(
+            planned > len(per_seed))
         cells = [arm.label, f"{sum(finished) / len(finished):.4f}" if finished else "n/a",
-                 f"{len(finished)}/{len(per_seed)}" + (f" ({diverged} diverged)" if diverged else "")]
+                 f"{len(finished)}/{planned}" + (f" ({', '.join(notes)})" if notes else "")]
         for reference in references:
             if arm.name == reference:
                 cells.append("(reference)")
@@ -411,7 +417,8 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
     table = ""
     if "pre" in present:
         png = plot_per_arm(records, table_arms, out / f"per_arm{suffix}.png")
-        table = per_arm_table(records, table_arms) + f"\n\n![every arm]({png.name})"
+        planned = {arm.name: len(s[SEED_KEYS[arm.group]]) for arm in table_arms}
+        table = per_arm_table(records, table_arms, planned) + f"\n\n![every arm]({png.name})"
     if {"pre_embed_ref", "lns_embed_ref", "pre", "lns"} <= present:
         gap_ref = verdicts.judge_seeds("LNS reaches a lower eval loss than Pre-LN with the reference's embedding "
                                        "std 0.632", -1, values(records, "pre_embed_ref", "eval_loss"),
