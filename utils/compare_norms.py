@@ -262,8 +262,11 @@ def per_arm_table(records, arms: list[Arm], planned_seeds: dict[str, int] | None
         finished = [v for v in per_seed.values() if v is not None]
         diverged = sum(1 for r in records.values() if r["arm"] == arm.name and r["status"] != "finished")
         planned = max(len(per_seed), (planned_seeds or {}).get(arm.name, 0))
-        notes = [f"{diverged} diverged"] * bool(diverged) + [f"{planned - len(per_seed)} not yet run"] * bool(
-            planned > len(per_seed))
+        notes = []
+        if diverged:
+            notes.append(f"{diverged} diverged")
+        if planned > len(per_seed):
+            notes.append(f"{planned - len(per_seed)} not yet run")
         cells = [arm.label, f"{sum(finished) / len(finished):.4f}" if finished else "n/a",
                  f"{len(finished)}/{planned}" + (f" ({', '.join(notes)})" if notes else "")]
         for reference in references:
