@@ -176,7 +176,9 @@ def test_a_sitting_with_arms_reports_every_arm_the_study_has_records_for(tmp_pat
     assert "**Partial**" in report and "skipinit-seed3" in report
     skipinit_row = next(line for line in report.splitlines() if line.startswith("| SkipInit |"))
     assert "| 2/3 (1 not yet run) |" in skipinit_row  # the budget's seeds, not only the recorded ones
-    assert "| Peri-LN |" not in report  # no records, so not in the report
+    assert "| Peri-LN |" not in report  # no records, so not in the report, but named as still to train
+    status = next(line for line in report.splitlines() if "have no records yet" in line)
+    assert "peri" in status.split("`--arms ")[1].split("`")[0].split()
 
 
 def test_projected_wall_time_replays_the_two_lane_schedule():

@@ -448,6 +448,12 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
     expected = len(specs)
     reused = sum(r.get("reused") == "record" for r in records.values())
     status = study_lib.run_status(records, expected, skipped)
+    unstarted = [arm for arm in ARMS if arm.group in s["groups"] and arm not in arms]
+    if unstarted:  # a sitting with --arms: "complete" covers only the arms that have records
+        unstarted_runs = len(run_specs(args, unstarted))
+        status += (f" The budget's other {len(unstarted)} arms have no records yet "
+                   f"({', '.join(arm.label for arm in unstarted)}; {unstarted_runs} runs): "
+                   f"`--arms {' '.join(arm.name for arm in unstarted)}` trains them.")
     rel = lambda p: Path(p).resolve().relative_to(out.resolve())  # noqa: E731
     figure_lines = "\n\n".join(f"![{name}]({rel(path)})" for name, path in figures.items())
     text = f"""# CPU-scale study: does the curse of depth appear, and does LNS lift it?
@@ -518,7 +524,8 @@ Raw numbers: one JSON record per run in `runs/` (flags, eval curve, every analys
 """
     summary = dict(budget=args.budget, settings=s, verdicts={k: [v.as_dict() for v in vs]
                                                              for k, vs in all_verdicts.items()},
-                   runs=sorted(records), missing=[spec.name for spec in skipped])
+                   runs=sorted(records), missing=[spec.name for spec in skipped],
+                   arms_without_records=[arm.name for arm in unstarted])
     return study_lib.write_report_files(out, text, summary, suffix)
 
 
