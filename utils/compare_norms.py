@@ -136,8 +136,12 @@ def parse_args(argv=None):
 
 
 # ------------------------------------------------------------------------------------------------------ the runs
+def budget_arms(args) -> list[Arm]:
+    return [arm for arm in ARMS if arm.group in args.settings["groups"]]
+
+
 def study_arms(args) -> list[Arm]:
-    chosen = [arm for arm in ARMS if arm.group in args.settings["groups"]]
+    chosen = budget_arms(args)
     return [arm for arm in chosen if arm.name in args.arms] if args.arms else chosen
 
 
@@ -145,7 +149,7 @@ def with_saved_arms(args, arms: list[Arm], records: dict, skipped: list[RunSpec]
     """Add the budget's other arms that already have records, so that a sitting with --arms reports everything the
     study has so far instead of only its own arms; their missing seeds count as not yet run."""
     chosen = {arm.name for arm in arms}
-    others = [arm for arm in ARMS if arm.group in args.settings["groups"] and arm.name not in chosen]
+    others = [arm for arm in budget_arms(args) if arm.name not in chosen]
     other_specs = run_specs(args, others)
     saved = study_lib.saved_records(args, other_specs)
     with_records = {record["arm"] for record in saved.values()}
@@ -448,7 +452,7 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
     expected = len(specs)
     reused = sum(r.get("reused") == "record" for r in records.values())
     status = study_lib.run_status(records, expected, skipped)
-    unstarted = [arm for arm in ARMS if arm.group in s["groups"] and arm not in arms]
+    unstarted = [arm for arm in budget_arms(args) if arm not in arms]
     if unstarted:  # a sitting with --arms: "complete" covers only the arms that have records
         unstarted_runs = len(run_specs(args, unstarted))
         status += (f" The budget's other {len(unstarted)} arms have no records yet "
