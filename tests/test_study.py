@@ -177,7 +177,8 @@ def test_a_sitting_with_arms_reports_every_arm_the_study_has_records_for(tmp_pat
     skipinit_row = next(line for line in report.splitlines() if line.startswith("| SkipInit |"))
     assert "| 2/3 (1 not yet run) |" in skipinit_row  # the budget's seeds, not only the recorded ones
     assert "| Peri-LN |" not in report  # no records, so not in the report, but named as still to train
-    status = next(line for line in report.splitlines() if "have no records yet" in line)
+    status = next(line for line in report.splitlines() if "no records yet" in line)
+    assert "The budget's other arm has no records yet (Peri-LN;" in status  # one arm: singular
     assert "peri" in status.split("`--arms ")[1].split("`")[0].split()
 
 

@@ -455,7 +455,8 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
     unstarted = [arm for arm in budget_arms(args) if arm not in arms]
     if unstarted:  # a sitting with --arms: "complete" covers only the arms that have records
         unstarted_runs = len(run_specs(args, unstarted))
-        status += (f" The budget's other {len(unstarted)} arms have no records yet "
+        subject = "other arm has" if len(unstarted) == 1 else f"other {len(unstarted)} arms have"
+        status += (f" The budget's {subject} no records yet "
                    f"({', '.join(arm.label for arm in unstarted)}; {unstarted_runs} runs): "
                    f"`--arms {' '.join(arm.name for arm in unstarted)}` trains them.")
     rel = lambda p: Path(p).resolve().relative_to(out.resolve())  # noqa: E731
@@ -472,9 +473,10 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
 
 A verdict compares two arms seed by seed (only seeds where both finished form a pair). The effect is the mean
 paired difference (LNS minus Pre-LN unless stated), with a 95% Student-t interval over the pairs. **reproduced**
-means the claim's direction (the paper's, for the paper's claims) AND an interval that excludes zero; **opposite** means an interval that excludes zero
-the other way; **inside noise** means the interval contains zero. A removal claim where removing a deep layer helps
-both models (negative costs) is never counted as reproduced.
+means the claim's direction (the paper's, for the paper's claims) AND an interval that excludes zero;
+**opposite** means an interval that excludes zero the other way; **inside noise** means the interval contains
+zero. A removal claim where removing a deep layer helps both models (negative costs) is never counted as
+reproduced.
 
 {(chr(10) * 2).join(sections) or 'No pair of arms has records yet.'}
 
