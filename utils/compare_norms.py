@@ -463,9 +463,8 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
     figure_lines = "\n\n".join(f"![{name}]({rel(path)})" for name, path in figures.items())
     text = f"""# CPU-scale study: does the curse of depth appear, and does LNS lift it?
 
-{study_lib.generated_by('utils/compare_norms.py', argv, args)}; this invocation took
-{(time.time() - started) / 60:.1f} minutes. {status} {reused} records were reused from earlier invocations; the
-{len(records)} runs trained for {train_minutes:.0f} minutes and were analysed for {analysis_minutes:.0f} minutes
+{study_lib.generated_by('utils/compare_norms.py', argv, args)}{study_lib.sitting_clause(argv, started, reused)}
+{status} The {len(records)} runs trained for {train_minutes:.0f} minutes and were analysed for {analysis_minutes:.0f} minutes
 ({len(timed)} runs timed), one thread each, {args.jobs} at a time: {run_minutes:.0f} run-minutes, by group
 {group_minutes}. {study_lib.wall_time_sentence(specs, records, args.jobs)}
 

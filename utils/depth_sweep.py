@@ -380,6 +380,7 @@ def write_report(args, records, skipped, started, argv, probe: dict | None = Non
     train_tokens = study_lib.embedded_train_tokens()
     specs = run_specs(args)
     status = study_lib.run_status(records, len(specs), skipped)
+    reused = sum(r.get("reused") == "record" for r in records.values())
     machines = study_lib.records_machines({**records, "probe": probe} if probe else records)
     speeds = {d: [r["tokens_per_s_median"] for r in records.values()
                   if r["arm"].startswith(f"L{d}-") and r.get("tokens_per_s_median")] for d in depths}
@@ -387,10 +388,8 @@ def write_report(args, records, skipped, started, argv, probe: dict | None = Non
     rel = lambda p: Path(p).resolve().relative_to(out.resolve())  # noqa: E731
     text = f"""# Depth sweep: Pre-LN against LNS at L = {', '.join(map(str, depths))}
 
-{study_lib.generated_by('utils/depth_sweep.py', argv, args)}; this invocation took
-{(time.time() - started) / 60:.1f} minutes. {status}
-{sum(r.get('reused') == 'record' for r in records.values())} records were reused from earlier invocations; the runs
-trained for {sum(r['train_seconds'] for r in records.values()) / 60:.0f} minutes in total.
+{study_lib.generated_by('utils/depth_sweep.py', argv, args)}{study_lib.sitting_clause(argv, started, reused)}
+{status} The runs trained for {sum(r['train_seconds'] for r in records.values()) / 60:.0f} minutes in total.
 {study_lib.wall_time_sentence(specs, records, args.jobs)}
 
 ## The paper's depth predictions
