@@ -116,6 +116,9 @@ def next_sentence_items(texts: list[str], num_examples: int, num_choices: int = 
     for text_index, position in positions[:num_examples]:
         sentences = sentences_by_text[text_index]
         answer = sentences[position]
+        pool = {s for t, others in enumerate(sentences_by_text) if t != text_index for s in others} - {answer}
+        if len(pool) < num_choices - 1:  # the draw below would never end
+            raise ValueError(f"too few distinct sentences outside text {text_index} for {num_choices}-way items")
         distractors = set()
         while len(distractors) < num_choices - 1:
             other = rng.randrange(len(sentences_by_text))

@@ -198,3 +198,7 @@ def test_next_sentence_items():
         assert len(set(example["choices"])) == 3
         assert all(choice not in source for i, choice in enumerate(example["choices"]) if i != example["label"])
     assert examples == next_sentence_items(passages, num_examples=50, num_choices=3, seed=1)
+    # Three texts, but the other two hold one distinct sentence between them: an error, not an endless draw.
+    with pytest.raises(ValueError, match="too few distinct sentences"):
+        next_sentence_items([passages[0], "The same four words.", "The same four words."], num_examples=5,
+                            num_choices=3)

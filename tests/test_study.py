@@ -218,6 +218,11 @@ def test_precision_section_shows_a_one_seed_bf16_effect_as_a_point_estimate():
     variance_row = next(line for line in section.splitlines() if line.startswith("| Pre-LN's residual variance"))
     assert variance_row.endswith("| same |")
     assert "seed 1: +0.2900 (one seed, no interval)" in section  # Pre-LN's bf16 cost: 5.30 - 5.01
+    del records["lns_bf16-seed1"]  # no bf16 pair: nothing to compare, so no row may say the signs differ
+    section = compare_norms.precision_section(records, compare_norms.pair_verdicts(records, "pre", "lns"),
+                                              compare_norms.pair_verdicts(records, "pre_bf16", "lns_bf16"))
+    claim_rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert claim_rows and all(line.endswith("| n/a |") for line in claim_rows), claim_rows
 
 
 def test_depth_sweep_budgets_share_records_and_keep_their_own_files():

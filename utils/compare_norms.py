@@ -349,8 +349,11 @@ def precision_section(records, fp32: list[verdicts.Verdict], bf16: list[verdicts
     for a, b, point in zip(fp32, bf16, single):
         b_effect = b.effect if b.effect is not None else point
         b_text = effect_text(b) if b.effect is not None or point is None else f"{point:+.4f} (one seed, no interval)"
-        same = a.effect is not None and b_effect is not None and (a.effect > 0) == (b_effect > 0)
-        rows.append(f"| {a.claim} | {effect_text(a)} | {b_text} | {'same' if same else 'differs'} |")
+        if a.effect is None or b_effect is None:
+            sign = "n/a"  # nothing to compare; "differs" would claim a disagreement
+        else:
+            sign = "same" if (a.effect > 0) == (b_effect > 0) else "differs"
+        rows.append(f"| {a.claim} | {effect_text(a)} | {b_text} | {sign} |")
     cost = [loss_verdict(records, arm, f"{arm}_bf16", f"Pure bf16 raises {label}'s eval loss over {fp32_label}", +1)
             for arm, label in (("pre", "Pre-LN"), ("lns", "LNS"))]
     cost_lines = []
