@@ -33,6 +33,7 @@ from peft_pretraining.dataloader import (
     IGNORE_INDEX,
     build_train_stream,
     check_vocab_covers_tokenizer,
+    count_target_tokens,
     iter_eval_batches,
     load_tokenizer,
 )
@@ -56,6 +57,8 @@ def open_run_folder(args, rank: int, resume_step: int | None, on_exit: contextli
 
     Rank 0 creates it, locks it until the run ends (a second process gets a one-line error naming the holder's PID),
     cleans up after a crash, and, when resuming from step k, moves the folder's checkpoints past k into superseded/.
+    Refused in one line, under the lock: a fresh start into a folder holding a run, a branch (--continue_from another
+    folder's checkpoint) into a folder holding a run, and a folder that cannot be created.
     """
     run_dir = [args.save_dir]
     if run_dir[0] is None:
@@ -65,15 +68,21 @@ def open_run_folder(args, rank: int, resume_step: int | None, on_exit: contextli
     dist.barrier()  # every rank has read its checkpoint before rank 0 renames anything
     refusal = [None]
     if rank == 0:
-        os.makedirs(run_dir, exist_ok=True)
         try:
+            os.makedirs(run_dir, exist_ok=True)
             on_exit.enter_context(run_folder.locked(run_dir))
         except run_folder.RunFolderBusy as err:
             refusal[0] = str(err)
+        except OSError as err:  # a parent that is a file, no permission, a read-only filesystem, a full disk
+            refusal[0] = f"--save_dir {run_dir}: cannot create the run folder ({err.strerror or err})"
+            if run_folder.is_no_space(err):
+                refusal[0] = (refusal[0], run_folder.EXIT_NO_SPACE)
         else:
             # Decided under the lock: a run that ended while this one was starting is not taken over.
             if resume_step is None and args_utils.holds_a_run(run_dir):
                 refusal[0] = f"--save_dir {run_dir} already holds a run; pass --continue_from {run_dir} to resume it"
+            elif resume_step is not None and args_utils.branches_into_another_run(args.continue_from, run_dir):
+                refusal[0] = args_utils.branch_refusal(args.continue_from, run_dir)
             else:
                 notes = run_folder.recover(run_dir)
                 if resume_step is not None:
@@ -81,6 +90,8 @@ def open_run_folder(args, rank: int, resume_step: int | None, on_exit: contextli
                 for note in notes:
                     log(note)
     broadcast_from_rank0(refusal)
+    if isinstance(refusal[0], tuple):
+        raise run_folder.SaveFailed(*refusal[0])
     if refusal[0] is not None:
         raise BadInput(refusal[0])
     if args.continue_from is not None and not os.path.exists(args.continue_from):  # a .model_N.old just restored
@@ -297,15 +308,20 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
     wandb_run = None
     if is_main:
         tags = [t.strip() for t in args.tags.split(",") if t.strip()] if args.tags else None
-        wandb_run = training_utils.init_wandb(project=args.wandb_project, run_name=args.run_name, config=run_config,
-                                              tags=tags, run_dir=run_dir)
+        with user_errors():  # a malformed RUN/wandb_run_id is bad input
+            wandb_run = training_utils.init_wandb(project=args.wandb_project, run_name=args.run_name,
+                                                  config=run_config, tags=tags, run_dir=run_dir,
+                                                  resume=args.continue_from is not None)
 
     autocast = autocast_for(args, device)
 
+    eval_batches: list[dict] = []  # this rank's share of the eval set, read once (each rank tokenizes all of it)
+
     def run_eval() -> dict:
-        batches = iter_eval_batches(**data_source, batch_size=args.eval_batch_size, eval_tokens=args.eval_tokens,
-                                    rank=rank, world_size=world_size)
-        return training_utils.evaluate(train_model if args.fsdp else model, batches, device=device,
+        if not eval_batches:
+            eval_batches.extend(iter_eval_batches(**data_source, batch_size=args.eval_batch_size,
+                                                  eval_tokens=args.eval_tokens, rank=rank, world_size=world_size))
+        return training_utils.evaluate(train_model if args.fsdp else model, eval_batches, device=device,
                                        eval_tokens=args.eval_tokens, autocast=autocast, lockstep=args.fsdp,
                                        show_progress=is_main)
 
@@ -371,22 +387,28 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
     train_model.train()
     while update_step < args.num_training_steps:
         update_start = time.perf_counter()
-        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        micro_batches = [next(stream) for _ in range(args.gradient_accumulation)]
+        # Every target token of the update weighs the same, however padding splits them over micro-batches and
+        # ranks: each micro-batch's mean loss is weighted by its share of the update's targets (all ranks).
+        targets = [count_target_tokens(batch["labels"]) for batch in micro_batches]
+        all_ranks_targets = torch.tensor(sum(targets), dtype=torch.float64, device=device)
+        dist.all_reduce(all_ranks_targets)
+        update_targets = all_ranks_targets.item()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         tokens_in_update = torch.zeros((), dtype=torch.int64, device=device)
-        for micro in range(args.gradient_accumulation):
-            batch = next(stream)
+        for micro, batch in enumerate(micro_batches):
             tokens_in_update += batch["attention_mask"].sum()
             if causal_mask_suffices(batch):
                 del batch["attention_mask"]  # the model then takes SDPA's is_causal path
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            share = targets[micro] / update_targets
             with grad_sync(train_model, micro == args.gradient_accumulation - 1):
                 with autocast():
                     loss = train_model(**batch).loss
-                (loss / args.gradient_accumulation).backward()
-            loss_sum += loss.detach().float()
-        # One small all-reduce per update: mean loss over micro-batches and ranks, and the tokens of all ranks.
-        update_stats = torch.stack([loss_sum.double() / args.gradient_accumulation / world_size,
-                                    tokens_in_update.double()])
+                (loss * (share * world_size)).backward()  # DDP and FSDP average gradients over the ranks
+            loss_sum += loss.detach().double() * share
+        # One small all-reduce per update: the token-weighted mean loss, and the tokens of all ranks.
+        update_stats = torch.stack([loss_sum, tokens_in_update.double()])
         dist.all_reduce(update_stats)
         step_loss, step_tokens = update_stats[0].item(), int(update_stats[1].item())
         grad_norm = training_utils.grad_norm_and_clip(train_model.parameters(), args.grad_clipping)

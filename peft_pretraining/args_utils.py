@@ -188,6 +188,41 @@ def holds_a_run(path: str) -> bool:
                                     or find_checkpoint(path) is not None)
 
 
+def branches_into_another_run(checkpoint: str, save_dir: str) -> bool:
+    """--continue_from CHECKPOINT --save_dir SAVE_DIR where SAVE_DIR is not the checkpoint's own run folder and
+    already holds a run: writing there would mix that run's history with the branch's."""
+    return os.path.realpath(save_dir) != _own_folder(checkpoint) and holds_a_run(save_dir)
+
+
+def _own_folder(checkpoint: str) -> str:
+    return os.path.realpath(os.path.dirname(os.path.abspath(checkpoint)))
+
+
+def branch_refusal(checkpoint: str, save_dir: str) -> str:
+    return (f"--save_dir {save_dir} already holds another run, and --continue_from {checkpoint} belongs to "
+            f"{_own_folder(checkpoint)}; branch into a new --save_dir, or resume "
+            f"{save_dir} with --continue_from {save_dir}")
+
+
+def check_save_dir(save_dir: str) -> str | None:
+    """Why --save_dir cannot become a run folder (one line), or None. Creates nothing: an existing non-folder, or an
+    existing component of its path that is not a folder or not writable (makedirs would fail there). Other failures
+    (a read-only filesystem, a full disk) are found when the trainer creates the folder, also in one line."""
+    path = os.path.abspath(save_dir)
+    if os.path.isdir(path):
+        return None
+    if os.path.lexists(path):
+        return f"--save_dir {save_dir}: exists and is not a folder"
+    existing = os.path.dirname(path)
+    while not os.path.lexists(existing):  # the deepest part of the path that exists ("/" always does)
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"--save_dir {save_dir}: cannot be created, {existing} is not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"--save_dir {save_dir}: cannot be created, no permission to write in {existing}"
+    return None
+
+
 def _resolve_norm(args, parser, saved: dict):
     """Flag, else environment (NORM_TYPE/POST_NUM, for old scripts), else the resumed checkpoint, else default."""
     if args.norm_type is None and os.environ.get("NORM_TYPE"):
@@ -243,6 +278,12 @@ def check_saved_config(parser, path: str, saved: dict):
 def check_args(args, parser, world_size: int):
     """Validate and fill derived values; every failure is parser.error (exit 2, one line naming the flag)."""
     args.dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(args.dtype, args.dtype)
+    for action in parser._actions:  # nan passes every range check below (nan <= 0 is False), inf most of them
+        value = getattr(args, action.dest, None)
+        if action.type is float and value is not None and not math.isfinite(value):
+            parser.error(f"{action.option_strings[0]} must be a finite number, got {value}")
+    if not 0 <= args.seed < 2**32:
+        parser.error(f"--seed must be between 0 and 2**32 - 1 (numpy's seed range), got {args.seed}")
 
     if args.continue_from is not None:
         checkpoint = find_checkpoint(args.continue_from)
@@ -357,6 +398,8 @@ def check_args(args, parser, world_size: int):
         if os.path.basename(args.save_dir) == SUPERSEDED_DIR:
             parser.error(f"--continue_from {args.continue_from}: a superseded checkpoint; pass a new --save_dir "
                          f"to branch from it")
+    if args.save_dir is not None and check_save_dir(args.save_dir) is not None:
+        parser.error(check_save_dir(args.save_dir))
     if args.save_dir is not None:
         holder = run_folder.lock_holder(args.save_dir)
         if holder is not None:
@@ -367,6 +410,9 @@ def check_args(args, parser, world_size: int):
                          f"(results.json); choose another --save_dir")
         parser.error(f"--save_dir {args.save_dir} already holds a run; pass --continue_from {args.save_dir} to "
                      f"resume it or choose another --save_dir")
+    if args.save_dir is not None and args.continue_from is not None and \
+            branches_into_another_run(args.continue_from, args.save_dir):
+        parser.error(branch_refusal(args.continue_from, args.save_dir))
     return args
 
 

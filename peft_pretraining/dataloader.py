@@ -244,7 +244,7 @@ class StreamingSource:
     over its shards forever; in lane epoch e it visits them in an order seeded by (seed, rank, lane, e) and permutes
     each block of about `block_size` consecutive documents of a shard with a generator seeded by the block's
     coordinates, so a lane position is a few integers plus the `datasets` state at the block's start.
-    Evaluation reads the rank's share in file order (`iter_epoch`).
+    Evaluation reads the whole split in file order (`iter_epoch` of a world-size-1 source) on every rank.
     """
 
     def __init__(self, dataset, *, seed: int, rank: int, world_size: int, block_size: int = SHUFFLE_BLOCK,
@@ -730,33 +730,70 @@ def _eval_rows(source, tokenizer, max_length: int, packing: bool) -> Iterator[np
 def iter_eval_batches(*, dataset: str, dataset_path: str | None, tokenizer, max_length: int, packing: bool,
                       batch_size: int, eval_tokens: int, rank: int, world_size: int,
                       dataset_config: str | None = None) -> Iterator[dict]:
-    """Validation batches for this rank until exactly its share of eval_tokens target tokens has been yielded.
+    """This rank's share of the eval set: validation rows holding exactly eval_tokens target tokens in all.
 
-    Rank r's share is eval_tokens // world_size, plus one if r < eval_tokens % world_size. The last batch is trimmed
-    by setting the surplus labels (the last ones in row-major order) to -100. If the rank's shard runs out first,
-    everything is yielded and a warning says so (the caller reports the real count).
+    The eval set does not depend on world_size: it is what a single process evaluates, the validation split's rows
+    in file order (`_eval_rows`, read unsharded) batched by batch_size until eval_tokens target tokens, the last batch
+    trimmed by setting the surplus labels (the last ones in row-major order) to -100. Rank r keeps rows r, r + W,
+    r + 2W, ... of it (in that order, rebatched by batch_size), so the ranks' rows are disjoint, their union is the
+    world-size-1 set, and the all-reduced token-weighted loss is the same for any W; at W = 1 the batches are exactly
+    the single-process ones. Every rank therefore reads and tokenizes the whole eval set (bounded by eval_tokens, not
+    the split) and drops the rows of other ranks. A rank left without rows (fewer rows than ranks) yields one fully
+    masked row, so lockstep evaluation still has a batch to run. If the split runs out first, everything is used and
+    a warning says so (the caller reports the real count).
     """
     if eval_tokens < 0:
         raise ValueError(f"--eval_tokens must be >= 0, got {eval_tokens}")
     if batch_size < 1 or max_length < 2:
         raise ValueError(f"invalid eval batch_size={batch_size} / max_length={max_length}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"invalid rank {rank} for world_size {world_size}")
     _require_eos(tokenizer)
-    share = eval_tokens // world_size + (1 if rank < eval_tokens % world_size else 0)
-    source = _make_source(dataset=dataset, dataset_path=dataset_path, split="validation", seed=0, rank=rank,
-                          world_size=world_size, shuffle=False, dataset_config=dataset_config)
+    source = _make_source(dataset=dataset, dataset_path=dataset_path, split="validation", seed=0, rank=0,
+                          world_size=1, shuffle=False, dataset_config=dataset_config)
+    batches = _eval_set_batches(source, tokenizer, max_length, batch_size, eval_tokens, packing)
+    if world_size == 1:
+        yield from batches
+        return
+    held, count = [], 0  # pieces of batches holding this rank's rows not yet yielded, and their row count
+    index, first, yielded_any = 0, None, False  # global index of the next row; the eval set's first batch
+    for batch in batches:
+        first = first if first is not None else batch
+        rows = len(batch["input_ids"])
+        mine = torch.arange(index, index + rows) % world_size == rank
+        index += rows
+        if mine.any():
+            held.append({key: value[mine] for key, value in batch.items()})
+            count += int(mine.sum())
+        while count >= batch_size:
+            merged = {key: torch.cat([piece[key] for piece in held]) for key in held[0]}
+            yield {key: value[:batch_size] for key, value in merged.items()}
+            yielded_any, count = True, count - batch_size
+            held = [{key: value[batch_size:] for key, value in merged.items()}] if count else []
+    if held:
+        yield {key: torch.cat([piece[key] for piece in held]) for key in held[0]}
+    elif not yielded_any and first is not None:
+        placeholder = {key: value[:1].clone() for key, value in first.items()}
+        placeholder["labels"].fill_(IGNORE_INDEX)
+        yield placeholder
+
+
+def _eval_set_batches(source, tokenizer, max_length: int, batch_size: int, eval_tokens: int,
+                      packing: bool) -> Iterator[dict]:
+    """The whole eval set as a single process sees it: batches of rows until exactly eval_tokens target tokens."""
     rows = _eval_rows(source, tokenizer, max_length, packing)
     yielded = 0
-    while yielded < share:
+    while yielded < eval_tokens:
         batch_rows = [row for _, row in zip(range(batch_size), rows)]
         if not batch_rows:
-            warnings.warn(f"the validation split gives rank {rank} only {yielded} target tokens, fewer than its share "
-                          f"{share} of --eval_tokens {eval_tokens}", stacklevel=2)
+            warnings.warn(f"the validation split gives only {yielded} target tokens, fewer than --eval_tokens "
+                          f"{eval_tokens}", stacklevel=3)
             return
         batch = _rows_to_batch(batch_rows, max_length, tokenizer.pad_token_id)
         targets = count_target_tokens(batch["labels"])
-        if yielded + targets > share:
-            _trim_targets(batch, targets - (share - yielded))
-            targets = share - yielded
+        if yielded + targets > eval_tokens:
+            _trim_targets(batch, targets - (eval_tokens - yielded))
+            targets = eval_tokens - yielded
         yielded += targets
         yield batch
 

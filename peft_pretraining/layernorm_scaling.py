@@ -24,7 +24,8 @@ import math
 import torch
 from torch import nn
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# "llama_norm_placement" is this repository's model (peft_pretraining.modeling_llama); only its Pre-LN takes hooks.
+SUPPORTED_MODEL_TYPES = ("llama", "llama_norm_placement", "mistral", "qwen2", "qwen3")
 BLOCK_NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
 CONFIG_FLAG = "layernorm_scaling"
 

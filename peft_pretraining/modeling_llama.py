@@ -6,7 +6,8 @@ residual, and which norm that is. Each wrapping is a small module below; a decod
 branches on the variant. Parameter names are those of `transformers.LlamaForCausalLM` plus, where a variant needs
 more (Peri-LN's output norms, gates, DyT's alpha and bias), names under the placement module, so weights move freely.
 
-The model is built from a `transformers.LlamaConfig` with extra attributes (all optional, defaults in brackets):
+The model is built from a `NormPlacementConfig` (a `transformers.LlamaConfig` under its own model_type, below) with
+extra attributes (all optional, defaults in brackets):
     norm_type         one of NORM_TYPES, case-insensitive; "cod" (the paper's uploaded code) is an alias of "lns" [pre]
     post_num          Mix-LN: layers with 0-based index < post_num are Post-LN, the rest Pre-LN [0]
     init_method       normal | scaled | depth_scaled [normal]
@@ -48,6 +49,22 @@ DEFAULT_COMPLETEP_ALPHA = 1.0
 # DyT's alpha0 for LLaMA (Zhu et al. 2025): larger before attention than before the MLP and at the final norm;
 # 0.8 / 0.2 is the paper's setting for its smallest LLaMA (7B).
 DEFAULT_DYT_ALPHA_INIT = (0.8, 0.2)
+
+
+class NormPlacementConfig(LlamaConfig):
+    """LlamaConfig plus the attributes above, under a model_type of its own. With "llama", a checkpoint of ours would
+    load into stock `transformers.LlamaForCausalLM` without `trust_remote_code` and, its parameter names being the
+    same, silently compute Pre-LN; with this type, loading it without `trust_remote_code=True` is an error."""
+    model_type = "llama_norm_placement"
+
+    def __post_init__(self, **kwargs):
+        kwargs.pop("model_type", None)  # the class's own, not the "llama" of a JSON or config it was built from
+        super().__post_init__(**kwargs)
+
+
+def as_norm_placement_config(config) -> NormPlacementConfig:
+    """`config` itself if it is a NormPlacementConfig, otherwise a NormPlacementConfig with the same values."""
+    return config if isinstance(config, NormPlacementConfig) else NormPlacementConfig.from_dict(config.to_dict())
 
 
 def canonical_norm_type(value) -> str:
@@ -148,9 +165,9 @@ def freeze_layer_plan(config):
 def build_config(path_or_config, norm_type: str = "pre", post_num: int = 0, init_method: str = "normal", **overrides):
     """Load a model JSON (or copy a config) and set the norm placement; validates by building the layer plan."""
     if isinstance(path_or_config, LlamaConfig):
-        config = LlamaConfig.from_dict(path_or_config.to_dict())
+        config = NormPlacementConfig.from_dict(path_or_config.to_dict())
     else:
-        config = LlamaConfig.from_json_file(str(path_or_config))
+        config = NormPlacementConfig.from_json_file(str(path_or_config))
     config.norm_type = canonical_norm_type(norm_type)
     config.post_num = int(post_num)
     config.init_method = str(init_method).lower()
@@ -478,7 +495,7 @@ def _scale_init_std(linears, factor: float):
 
 
 class LlamaPreTrainedModel(PreTrainedModel):
-    config_class = LlamaConfig
+    config_class = NormPlacementConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DecoderLayer"]
@@ -542,6 +559,7 @@ class LlamaModel(LlamaPreTrainedModel):
 
 class LlamaForCausalLM(LlamaPreTrainedModel, GenerationMixin):
     def __init__(self, config):
+        config = as_norm_placement_config(config)  # so that what it saves never reads as stock Llama
         super().__init__(config)
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -596,6 +614,7 @@ def _attention_mask(attention_mask: torch.Tensor | None, seq_len: int, device) -
     return mask | torch.eye(seq_len, dtype=torch.bool, device=device)[None, None]
 
 
+NormPlacementConfig.register_for_auto_class()
 LlamaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
 
@@ -639,7 +658,9 @@ def export_to_hf_llama(model: LlamaForCausalLM):
             f"norm placement {', '.join(unsupported)} has no stock-HF equivalent (exportable: "
             f"{', '.join(EXPORTABLE_PLACEMENTS)}); load it with AutoModelForCausalLM(..., trust_remote_code=True)"
         )
-    config = LlamaConfig.from_dict(model.config.to_dict())
+    values = model.config.to_dict()
+    values.pop("model_type")  # ours; the stock class has "llama"
+    config = LlamaConfig.from_dict(values)
     for key in _OUR_CONFIG_KEYS:
         if hasattr(config, key):
             delattr(config, key)

@@ -11,6 +11,8 @@ import math
 import netrc
 import os
 import random
+import re
+import secrets
 import shutil
 import time
 from contextlib import nullcontext
@@ -555,11 +557,41 @@ def wandb_mode() -> str:
     return "offline"
 
 
-def init_wandb(*, project: str, run_name: str, config: dict, tags, run_dir: str):
-    """A wandb run writing under run_dir, or None when WANDB_MODE=disabled."""
+WANDB_ID_FILE = "wandb_run_id"
+_WANDB_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def wandb_run_id(run_dir: str, resume: bool) -> str:
+    """The wandb run id of run_dir's history: kept in RUN/wandb_run_id, so that every resume of the folder logs to
+    the same wandb run. A fresh start (a new history) draws a new id and replaces the file; a resume reuses the
+    file's id (a folder whose earlier legs ran with wandb disabled has none yet: a new one is drawn and kept).
+    ValueError naming the file when it holds no valid id."""
+    path = os.path.join(run_dir, WANDB_ID_FILE)
+    if resume and os.path.exists(path):
+        try:
+            with open(path) as f:
+                run_id = f.read().strip()
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path}: cannot be read ({err}); remove it to start a new wandb run") from err
+        if not _WANDB_ID.fullmatch(run_id):
+            raise ValueError(f"{path}: {run_id[:80]!r} is not a wandb run id; remove it to start a new wandb run")
+        return run_id
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+    run_id = "".join(secrets.choice(alphabet) for _ in range(8))  # the form wandb's own ids take
+    run_folder.write_lines_atomic(path, [run_id + "\n"])
+    return run_id
+
+
+def init_wandb(*, project: str, run_name: str, config: dict, tags, run_dir: str, resume: bool = False):
+    """A wandb run writing under run_dir, or None when WANDB_MODE=disabled.
+
+    Its id is the run folder's (wandb_run_id): a resume continues the same wandb run (resume="allow"), online and
+    offline (an offline leg is a new RUN/wandb/offline-run-<time>-<id> folder with the same id)."""
     mode = wandb_mode()
     if mode == "disabled":
         return None
+    run_id = wandb_run_id(run_dir, resume)
     import wandb
     return wandb.init(project=project, name=run_name, config=config, tags=tags, dir=run_dir, mode=mode,
+                      id=run_id, resume="allow",
                       settings=wandb.Settings(init_timeout=120, console="off"))

@@ -296,7 +296,45 @@ def test_eval_yields_exactly_eval_tokens(tokenizer, packing, world_size):
         assert all(b["input_ids"].shape[1] == 64 for b in batches)
         per_rank.append(sum(data.count_target_tokens(b["labels"]) for b in batches))
     assert sum(per_rank) == eval_tokens
-    assert per_rank == [eval_tokens // world_size + (r < eval_tokens % world_size) for r in range(world_size)]
+    assert all(tokens > 0 for tokens in per_rank)  # ranks hold whole rows of one eval set, so near (not exactly) equal
+
+
+def eval_rows(tokenizer, *, packing, rank, world_size, eval_tokens=20_000, batch_size=8):
+    """This rank's eval rows as (input_ids, labels, attention_mask) tuples of ints, in the order yielded."""
+    batches = data.iter_eval_batches(dataset=data.EMBEDDED, dataset_path=None, tokenizer=tokenizer, max_length=64,
+                                     packing=packing, batch_size=batch_size, eval_tokens=eval_tokens, rank=rank,
+                                     world_size=world_size)
+    rows = []
+    for batch in batches:
+        assert 0 < len(batch["input_ids"]) <= batch_size
+        rows.extend(tuple(tuple(batch[k][i].tolist()) for k in ("input_ids", "labels", "attention_mask"))
+                    for i in range(len(batch["input_ids"])))
+    return rows
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_eval_set_does_not_depend_on_world_size(tokenizer, packing):
+    """The ranks split one eval set (world size 1's rows) between them, so eval losses compare across GPU counts."""
+    single = eval_rows(tokenizer, packing=packing, rank=0, world_size=1)
+    assert sum(sum(label != data.IGNORE_INDEX for label in row[1][1:]) for row in single) == 20_000
+    assert len(set(single)) == len(single)  # distinct rows, so disjointness below is a real check
+    for world_size in (2, 3):
+        per_rank = [eval_rows(tokenizer, packing=packing, rank=r, world_size=world_size) for r in range(world_size)]
+        assert all(per_rank)
+        for a in range(world_size):
+            for b in range(a + 1, world_size):
+                assert not set(per_rank[a]) & set(per_rank[b]), (world_size, a, b)
+        assert sorted(row for rows in per_rank for row in rows) == sorted(single), world_size
+        # Rank r holds rows r, r + W, r + 2W, ... of world size 1's order.
+        assert per_rank == [single[r::world_size] for r in range(world_size)], world_size
+
+
+def test_eval_rank_without_rows_gets_one_masked_row(tokenizer):
+    # One packed row of 63 targets holds all 3 eval tokens: rank 0 gets it, ranks 1 and 2 a row with no targets
+    # (lockstep FSDP evaluation needs every rank to have a batch).
+    rows = [eval_rows(tokenizer, packing=True, rank=r, world_size=3, eval_tokens=3) for r in range(3)]
+    assert rows[0] == eval_rows(tokenizer, packing=True, rank=0, world_size=1, eval_tokens=3)
+    assert all(len(r) == 1 and set(r[0][1]) == {data.IGNORE_INDEX} for r in rows[1:])
 
 
 def test_eval_short_split_yields_everything_and_warns(tmp_path, tokenizer):

@@ -252,6 +252,59 @@ def test_branch_then_resume_never_mixes_histories(reference, tmp_path, monkeypat
     assert superseded_steps == [3, 4, 5, 6, 3, 4]  # the old history's rows, then the branch's
 
 
+def test_branch_into_a_folder_holding_another_run_is_refused(reference, tmp_path, monkeypatch, capsys):
+    """--continue_from OTHER/model_4 --save_dir Y, Y holding its own run: refused, both folders untouched. Resuming
+    a folder into itself, however --save_dir spells it, still works."""
+    run_dir = copy_of(reference, tmp_path)
+    other = tmp_path / "other"
+    shutil.copytree(reference, other, ignore=shutil.ignore_patterns(run_folder.LOCK_FILE))
+    before = tree_hashes(run_dir), tree_hashes(other)
+    assert train_expecting_exit("--continue_from", other / "model_4", "--save_dir", run_dir) == 2
+    assert f"--save_dir {run_dir} already holds another run" in one_error_line(capsys.readouterr().err)
+    assert (tree_hashes(run_dir), tree_hashes(other)) == before
+
+    # The same decision under the lock: Y gained a run while this one was starting.
+    late = tmp_path / "late"
+    real_locked = run_folder.locked
+
+    def a_run_appears_meanwhile(folder):
+        shutil.copytree(reference / "model_2", late / "model_2")
+        return real_locked(folder)
+
+    monkeypatch.setattr(run_folder, "locked", a_run_appears_meanwhile)
+    assert train_expecting_exit("--continue_from", other / "model_4", "--save_dir", late) == 2
+    assert f"--save_dir {late} already holds another run" in one_error_line(capsys.readouterr().err)
+    assert sorted(p.name for p in late.iterdir()) == ["model_2", run_folder.LOCK_FILE]
+    monkeypatch.setattr(run_folder, "locked", real_locked)
+
+    assert train("--continue_from", run_dir / "model_4", "--save_dir", f"{tmp_path}/./run/") == 0
+    assert_matches_reference(run_dir, reference)
+
+
+def test_a_run_folder_that_cannot_be_created_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    """What the command-line check cannot foresee (here: it is skipped) is refused when the folder is created."""
+    from peft_pretraining import args_utils
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setattr(args_utils, "check_save_dir", lambda save_dir: None, raising=False)
+    assert train_expecting_exit("--save_dir", tmp_path / "file" / "run") == 2
+    assert f"--save_dir {tmp_path / 'file' / 'run'}: cannot create" in one_error_line(capsys.readouterr().err)
+    assert (tmp_path / "file").read_text() == "not a folder"
+
+
+def test_a_full_disk_at_folder_creation_is_exit_4(tmp_path, monkeypatch, capsys):
+    """A full disk is not bad input: exit 4 (no space), as when a checkpoint cannot be written."""
+    real_makedirs = os.makedirs
+
+    def full_disk(path, *args, **kwargs):
+        if str(path).startswith(str(tmp_path / "run")):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_makedirs(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "makedirs", full_disk)
+    assert train_expecting_exit("--save_dir", tmp_path / "run") == run_folder.EXIT_NO_SPACE
+    assert "No space left on device" in one_error_line(capsys.readouterr().err)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # 3. A non-finite update
 # --------------------------------------------------------------------------------------------------------------

@@ -1,3 +1,4 @@
+import json
 import math
 import subprocess
 import sys
@@ -211,6 +212,17 @@ def test_save_and_load_round_trip(norm_type, tmp_path):
     torch.testing.assert_close(ours(tokens).logits, expected, rtol=0, atol=0)
     auto = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
     torch.testing.assert_close(auto(tokens).logits, expected, rtol=0, atol=0)
+    # Without trust_remote_code, stock Llama would take the same parameter names and compute Pre-LN: refused instead.
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_a_model_built_from_a_stock_config_saves_its_own_model_type(tmp_path):
+    """However the config was made, a saved checkpoint of ours names its own type, never plain "llama"."""
+    model = LlamaForCausalLM(LlamaConfig.from_json_file(str(TINY)))
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["model_type"] == "llama_norm_placement" and saved["auto_map"]["AutoConfig"].endswith("Config")
 
 
 def test_rope_tables_are_rebuilt_where_no_checkpoint_holds_them(tmp_path):

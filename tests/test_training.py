@@ -281,14 +281,30 @@ BASE = ["--model_config", "configs/llama_tiny.json", "--batch_size", "4"]
     (["--completep_alpha", "nan"], "--completep_alpha"),
     (["--embed_init_std", "0"], "--embed_init_std"),
     (["--deepnorm_init", "xavier"], "--deepnorm_init"),
+    # nan passes a `<= 0` check and inf an upper-bound-free one: each float flag must be finite
+    (["--lr", "nan"], "--lr"),
+    (["--lr", "inf"], "--lr"),
+    (["--lr", "0"], "--lr"),
+    (["--grad_clipping", "nan"], "--grad_clipping"),
+    (["--weight_decay", "nan"], "--weight_decay"),
+    (["--divergence_loss", "nan"], "--divergence_loss"),
+    (["--min_lr_ratio", "inf"], "--min_lr_ratio"),
+    (["--layerscale_init", "-inf"], "--layerscale_init"),
+    (["--dist_timeout_minutes", "inf"], "--dist_timeout_minutes"),
+    (["--seed", "-1"], "--seed"),  # numpy seeds are 0 .. 2**32 - 1
+    (["--seed", str(2**32)], "--seed"),
+    (["--save_dir", "{tmp}/file"], "--save_dir"),  # an existing regular file
+    (["--save_dir", "{tmp}/file/run"], "--save_dir"),  # a path that cannot be created under it
 ])
-def test_bad_values_are_one_line_errors_naming_the_flag(extra, flag, monkeypatch, capsys):
+def test_bad_values_are_one_line_errors_naming_the_flag(extra, flag, monkeypatch, capsys, tmp_path):
     monkeypatch.chdir(REPO)
+    (tmp_path / "file").write_text("not a folder")
     with pytest.raises(SystemExit) as exit_info:
-        args_utils.parse_args([*BASE, *extra], world_size=1)
+        args_utils.parse_args([*BASE, *[arg.format(tmp=tmp_path) for arg in extra]], world_size=1)
     assert exit_info.value.code == 2
     message = capsys.readouterr().err.strip()
     assert len(message.splitlines()) == 1 and flag in message, message
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]  # nothing created
 
 
 def test_environment_norm_type_is_case_insensitive_and_flags_win(monkeypatch):
@@ -343,10 +359,17 @@ def test_wandb_without_api_key_runs_offline_without_prompting(tmp_path):
     env.update(HOME=str(tmp_path), WANDB_DIR=str(tmp_path / "wandb_dir"), WANDB_CONFIG_DIR=str(tmp_path / "cfg"),
                WANDB_CACHE_DIR=str(tmp_path / "cache"), WANDB_DATA_DIR=str(tmp_path / "data"))
     run_dir = tmp_path / "run"
-    proc = run_main([*TINY, "--num_training_steps", "2", "--warmup_steps", "0", "--eval_every", "100",
-                     "--eval_tokens", "200", "--save_dir", str(run_dir)], env=env, timeout=180)
+    flags = [*TINY, "--warmup_steps", "0", "--eval_every", "100", "--eval_tokens", "200", "--save_every", "2"]
+    proc = run_main([*flags, "--num_training_steps", "2", "--save_dir", str(run_dir)], env=env, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert list((run_dir / "wandb").glob("offline-run-*")), "expected an offline wandb run inside the run folder"
+
+    # A resume of the folder continues the same wandb run (the id kept in RUN/wandb_run_id), not a second one.
+    proc = run_main([*flags, "--num_training_steps", "3", "--continue_from", str(run_dir)], env=env, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    legs = sorted(leg.name for leg in (run_dir / "wandb").glob("offline-run-*"))  # offline-run-<time>-<id>
+    assert len(legs) == 2 and len({leg.rsplit("-", 1)[1] for leg in legs}) == 1, legs
+    assert legs[0].endswith("-" + (run_dir / "wandb_run_id").read_text().strip())
 
 
 def test_paper_script_passes_norm_post_num_and_extra_flags(tmp_path):
