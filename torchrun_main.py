@@ -142,6 +142,14 @@ def check_checkpoint_matches(args, config, checkpoint: str):
                            f"checkpoint's {saved.get(key)} (--continue_from {checkpoint})")
 
 
+def unfinished_last_checkpoint(args, resume_state: dict) -> bool:
+    """The run's last checkpoint, resumed in its own folder, which has no results.json: the run stopped between its
+    last save and its results, and resuming it only evaluates and writes them."""
+    own_folder = os.path.realpath(os.path.dirname(os.path.abspath(args.continue_from)))
+    return (resume_state["update_step"] == args.num_training_steps and os.path.realpath(args.save_dir) == own_folder
+            and not os.path.exists(os.path.join(own_folder, "results.json")))
+
+
 def causal_mask_suffices(batch: dict) -> bool:
     """True when every row is real tokens then padding, and no pad is a label (checked on the CPU copy).
 
@@ -226,7 +234,8 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
         if resume_state["world_size"] != world_size:
             raise BadInput(f"--continue_from {args.continue_from}: saved with world size {resume_state['world_size']}, "
                            f"this run has {world_size} (the data position is per rank)")
-        if resume_state["update_step"] >= args.num_training_steps:
+        if resume_state["update_step"] >= args.num_training_steps and not unfinished_last_checkpoint(args,
+                                                                                                resume_state):
             raise BadInput(f"--num_training_steps {args.num_training_steps}: the checkpoint is already at step "
                            f"{resume_state['update_step']}")
     sharded = resume_state is not None and resume_state.get("sharded")
@@ -460,6 +469,8 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
             last_checkpoint = save(update_step)
     bar.close()
     stream.close()
+    if last_eval is None and status == "finished":  # resumed at the last step: the results were never written
+        last_eval = dict(run_eval(), step=update_step)
 
     # ---- results ------------------------------------------------------------------------------------------------
     if not is_main:

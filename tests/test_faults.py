@@ -305,6 +305,24 @@ def test_a_full_disk_at_folder_creation_is_exit_4(tmp_path, monkeypatch, capsys)
     assert "No space left on device" in one_error_line(capsys.readouterr().err)
 
 
+def test_a_run_stopped_after_its_last_checkpoint_is_finished_by_resuming_it(reference, tmp_path, capsys):
+    """A crash between the last save and results.json: resuming the folder trains nothing, evaluates the last
+    checkpoint and writes the results; once they exist, there is nothing left to resume."""
+    run_dir = copy_of(reference, tmp_path)
+    (run_dir / "results.json").unlink()
+    rows_before = rows(run_dir)
+    assert train("--continue_from", run_dir) == 0
+    results = json.loads((run_dir / "results.json").read_text())
+    expected = json.loads((reference / "results.json").read_text())
+    assert results["status"] == "finished" and results["step"] == STEPS
+    assert results["checkpoint"] == str(run_dir / f"model_{STEPS}")
+    assert results["final_eval_loss"] == pytest.approx(expected["final_eval_loss"], rel=1e-6)
+    assert rows(run_dir) == rows_before  # no update trained, no row added
+    capsys.readouterr()
+    assert train_expecting_exit("--continue_from", run_dir) == 2
+    assert "already at step" in one_error_line(capsys.readouterr().err)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # 3. A non-finite update
 # --------------------------------------------------------------------------------------------------------------
