@@ -111,8 +111,27 @@ class LayerPlan:
     dyt_alpha_init: tuple[float, float]
 
 
+# LlamaConfig features this model does not implement, with the values it does: anything else is an error, not
+# a silent ignore (an untied head under tie_word_embeddings=true, SiLU under hidden_act="gelu").
+IMPLEMENTED_LLAMA_FEATURES = {"tie_word_embeddings": (False,), "hidden_act": ("silu", "swish"),
+                              "attention_bias": (False,), "mlp_bias": (False,), "attention_dropout": (0.0,),
+                              "pretraining_tp": (1,)}
+
+
+def check_llama_features(config) -> None:
+    for key, implemented in IMPLEMENTED_LLAMA_FEATURES.items():
+        value = getattr(config, key, implemented[0])
+        if value not in implemented:
+            raise ValueError(f"{key}={value!r} is not implemented by this model (it supports "
+                             f"{' or '.join(map(repr, implemented))})")
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(f"rope_type={rope_type!r} is not implemented by this model (it supports 'default' RoPE)")
+
+
 def layer_plan(config) -> LayerPlan:
     """The per-layer placement and depth implied by the config; validates every value."""
+    check_llama_features(config)
     num_layers = config.num_hidden_layers
     norm_type = _choice(getattr(config, "norm_type", "pre"), NORM_TYPES, "norm_type", NORM_TYPE_ALIASES)
     init_method = _choice(getattr(config, "init_method", "normal"), INIT_METHODS, "init_method")
@@ -580,6 +599,10 @@ class LlamaForCausalLM(LlamaPreTrainedModel, GenerationMixin):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, output_hidden_states: bool | None = None, **unused):
         # **unused absorbs generation/lm-eval extras (use_cache, past_key_values, ...): this model keeps no KV cache.
+        # Inputs that would change the result are refused rather than dropped.
+        for name in ("inputs_embeds", "position_ids"):
+            if unused.get(name) is not None:
+                raise ValueError(f"{name} is not supported: pass input_ids; positions are 0 .. T-1 in every row")
         hidden, hidden_states = self.model(input_ids, attention_mask, bool(output_hidden_states))
         logits = self.lm_head(hidden)
         loss = None

@@ -196,6 +196,23 @@ def test_bad_values_raise(kwargs, fragment):
     assert bad_value in str(error.value)
 
 
+@pytest.mark.parametrize("key, value", [("tie_word_embeddings", True), ("hidden_act", "gelu"),
+                                        ("attention_bias", True), ("mlp_bias", True), ("attention_dropout", 0.1),
+                                        ("rope_parameters", {"rope_type": "linear", "factor": 2.0,
+                                                             "rope_theta": 10000.0})])
+def test_llama_features_the_model_does_not_implement_are_refused(key, value):
+    """Silently ignored, each would train a different model than its config says (e.g. an untied head)."""
+    with pytest.raises(ValueError, match="is not implemented by this model"):
+        build_config(TINY, **{key: value})
+
+
+@pytest.mark.parametrize("name", ["position_ids", "inputs_embeds"])
+def test_inputs_that_would_change_the_result_are_refused(name):
+    model, tokens = tiny_model(), random_tokens()
+    with pytest.raises(ValueError, match=f"{name} is not supported"):
+        model(tokens, **{name: torch.zeros(2, 24, dtype=torch.long)})
+
+
 def test_unknown_norm_type_lists_choices():
     with pytest.raises(ValueError) as error:
         build_config(TINY, norm_type="sandwich_xl")
