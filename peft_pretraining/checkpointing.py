@@ -32,6 +32,11 @@ class ShardedLoadError(RuntimeError):
     """The sharded state of a checkpoint is missing, incomplete or does not fit the model."""
 
 
+class ShardedSaveError(RuntimeError):
+    """DCP could not write the shards (its CheckpointException, a BaseException, re-raised as an Exception so that
+    the trainer's handlers see it: a full disk on any rank then exits 4 like any other save)."""
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Sharded (FSDP2) state
 # ----------------------------------------------------------------------------------------------------------------
@@ -55,7 +60,12 @@ def save_sharded(run_dir: str, step: int, model, optimizer) -> str:
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
     dist.barrier()
-    dcp.save(_sharded_state(model, optimizer), checkpoint_id=staging)  # files are fsynced by DCP's writer
+    try:
+        dcp.save(_sharded_state(model, optimizer), checkpoint_id=staging)  # files are fsynced by DCP's writer
+    except CheckpointException as err:  # raised on every rank, with every rank's failure in its message
+        if dist.get_rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)  # the partial shards; earlier checkpoints are untouched
+        raise ShardedSaveError(f"writing {staging}: {err}") from err
     return staging
 
 

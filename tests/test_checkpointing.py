@@ -38,6 +38,29 @@ def test_sharded_state_round_trip_and_missing_shard(tmp_path):
         checkpointing.load_sharded(str(tmp_path), other, other_optimizer)
 
 
+def test_a_failed_sharded_save_is_an_exception_the_trainer_handles(tmp_path, monkeypatch):
+    """DCP raises CheckpointException, a BaseException, which `except Exception` misses: a full disk during an FSDP
+    save would end in a traceback instead of exit 4. It comes back as ShardedSaveError, recognised as no space."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from peft_pretraining import run_folder
+
+    def full_disk(*args, **kwargs):
+        failure = _wrap_exception(OSError(errno.ENOSPC, "No space left on device"))  # as DCP records rank 1's
+        raise CheckpointException("save failed", {1: failure})
+
+    monkeypatch.setattr(checkpointing.dcp, "save", full_disk)
+    monkeypatch.setattr(checkpointing.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(checkpointing.dist, "barrier", lambda: None)
+    model, optimizer = tiny_model_and_optimizer(0)
+    with pytest.raises(checkpointing.ShardedSaveError) as error:
+        checkpointing.save_sharded(str(tmp_path), 2, model, optimizer)
+    assert isinstance(error.value, Exception) and run_folder.is_no_space(error.value, str(tmp_path))
+    assert list(tmp_path.iterdir()) == []  # the staging folder of the partial shards is gone
+
+
 def test_weights_are_copied_from_safetensors_and_mismatches_refused(tmp_path):
     model, _ = tiny_model_and_optimizer(0)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "model.safetensors")
