@@ -358,6 +358,7 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
             if checksums is not None and len(set(checksums)) > 1:
                 log(f"WARNING: ranks' parameters differ at step {step}: checksums {checksums}")
             try:
+                metrics.sync()  # a power loss may not keep a checkpoint without the rows up to it
                 path = training_utils.save_checkpoint(
                     run_dir, step, hf_model=export_model, model_state=model_state, tokenizer=tokenizer,
                     training_state={"update_step": step, "tokens_seen": tokens_seen, "world_size": world_size,

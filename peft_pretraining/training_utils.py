@@ -467,6 +467,11 @@ class MetricsFile:
         self._file.write(json.dumps({k: _json_safe(v) for k, v in row.items()}, allow_nan=False) + "\n")
         self._file.flush()
 
+    def sync(self):
+        """To disk (fsync): called before each checkpoint, so a checkpoint never outlives its rows."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
     def close(self):
         self._file.close()
 

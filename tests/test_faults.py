@@ -367,6 +367,9 @@ def test_results_json_is_written_atomically_and_renames_are_fsynced(tmp_path, mo
     assert train("--save_dir", run_dir, "--num_training_steps", "2", "--eval_every", "2") == 0
     # results.json appears whole, by a rename; each rename into the run folder is followed by an fsync of it.
     assert ("rename", str(run_dir / "results.json")) in events
+    # metrics.jsonl reaches the disk before each checkpoint is renamed into place.
+    checkpoint = events.index(("rename", str(run_dir / "model_2")))
+    assert ("fsync", str(run_dir / "metrics.jsonl")) in events[:checkpoint]
     for index, (kind, path) in enumerate(events):
         if kind == "rename" and Path(path).parent == run_dir:
             assert ("fsync", str(run_dir)) in events[index + 1:], path
