@@ -176,3 +176,12 @@ def test_local_checkpoint_without_tokenizer_falls_back_to_the_repository_one(tmp
     model, tokenizer = model_io.load_model_and_tokenizer(str(tmp_path))
     assert type(model).__module__ == "peft_pretraining.modeling_llama"
     assert len(tokenizer) == 8192 and "using" in capsys.readouterr().err
+
+
+def test_a_fallback_tokenizer_smaller_than_the_model_vocabulary_is_refused(tmp_path):
+    """A 32,128-id model saved without its tokenizer (say t5-base's) must not be read with the 8,192-token one."""
+    model = tiny_ours("pre", 2)
+    model.resize_token_embeddings(32_128)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(SystemExit, match="has no tokenizer and embeds 32128 tokens"):
+        model_io.load_model_and_tokenizer(str(tmp_path))

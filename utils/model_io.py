@@ -162,11 +162,20 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
     raise SystemExit(f"{flag}: cannot load a tokenizer ({'; '.join(errors)})")
 
 
+def _is_repo_tokenizer(tokenizer) -> bool:
+    return Path(tokenizer.name_or_path).resolve() == REPO_TOKENIZER.resolve()
+
+
 def load_model_and_tokenizer(model_path: str, dtype: torch.dtype | str = torch.float32,
                              device: str | torch.device = "cpu", tokenizer_path: str | None = None):
     tokenizer = load_tokenizer(model_path, tokenizer_path)
     model = load_model(model_path, dtype=dtype, device=device)
     vocab_size = model.get_input_embeddings().num_embeddings
+    padded = -(-len(tokenizer) // 64) * 64  # the trainer rounds a vocabulary up to a multiple of 64
+    if tokenizer_path is None and _is_repo_tokenizer(tokenizer) and vocab_size > padded:
+        # The fallback cannot be the model's tokenizer: it would feed wrong ids, and every analysis would still run.
+        raise SystemExit(f"--tokenizer: {model_path!r} has no tokenizer and embeds {vocab_size} tokens, more than "
+                         f"the repository's {len(tokenizer)}-token tokenizer; pass the tokenizer it was trained with")
     if len(tokenizer) > vocab_size:
         raise SystemExit(f"--tokenizer: the tokenizer has {len(tokenizer)} tokens but {model_path!r} "
                          f"embeds only {vocab_size}; pass the tokenizer the model was trained with")
