@@ -190,8 +190,27 @@ def holds_a_run(path: str) -> bool:
 
 def branches_into_another_run(checkpoint: str, save_dir: str) -> bool:
     """--continue_from CHECKPOINT --save_dir SAVE_DIR where SAVE_DIR is not the checkpoint's own run folder and
-    already holds a run: writing there would mix that run's history with the branch's."""
-    return os.path.realpath(save_dir) != _own_folder(checkpoint) and holds_a_run(save_dir)
+    already holds a run: writing there would mix that run's history with the branch's. A run killed before its
+    first checkpoint counts when its metrics.jsonl has rows up to the branch step; rows only after it are an
+    interrupted attempt of this same branch, which the resume moves to metrics_superseded.jsonl."""
+    if os.path.realpath(save_dir) == _own_folder(checkpoint):
+        return False
+    return holds_a_run(save_dir) or _has_rows_up_to(os.path.join(save_dir, "metrics.jsonl"), _step_of(checkpoint))
+
+
+def _step_of(checkpoint: str) -> int | None:
+    suffix = os.path.basename(os.path.normpath(checkpoint))[len(CHECKPOINT_PREFIX):]
+    return int(suffix) if suffix.isdigit() else None
+
+
+def _has_rows_up_to(metrics_path: str, step: int | None) -> bool:
+    if not os.path.isfile(metrics_path):
+        return False
+    try:
+        lines, _ = run_folder.read_jsonl(metrics_path)
+    except ValueError:
+        return True  # a damaged history is still another history
+    return any(step is None or json.loads(line).get("step", 0) <= step for line in lines)
 
 
 def _own_folder(checkpoint: str) -> str:

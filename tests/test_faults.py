@@ -263,6 +263,21 @@ def test_branch_into_a_folder_holding_another_run_is_refused(reference, tmp_path
     assert f"--save_dir {run_dir} already holds another run" in one_error_line(capsys.readouterr().err)
     assert (tree_hashes(run_dir), tree_hashes(other)) == before
 
+    # A run killed before its first checkpoint holds rows up to the branch step: another history, refused too.
+    killed_early = tmp_path / "killed_early"
+    killed_early.mkdir()
+    shutil.copy(reference / "metrics.jsonl", killed_early / "metrics.jsonl")
+    assert train_expecting_exit("--continue_from", other / "model_4", "--save_dir", killed_early) == 2
+    assert sorted(p.name for p in killed_early.iterdir()) == ["metrics.jsonl"]
+    # Rows only after the branch step are this branch's own interrupted attempt: it may run again.
+    attempt = tmp_path / "attempt"
+    attempt.mkdir()
+    (attempt / "metrics.jsonl").write_text("".join(line for line in (reference / "metrics.jsonl").read_text()
+                                                   .splitlines(keepends=True) if json.loads(line)["step"] > 4))
+    assert train("--continue_from", other / "model_4", "--save_dir", attempt) == 0
+    assert [row["step"] for row in rows(attempt)] == [5, 6]
+    capsys.readouterr()
+
     # The same decision under the lock: Y gained a run while this one was starting.
     late = tmp_path / "late"
     real_locked = run_folder.locked
