@@ -467,8 +467,8 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
     text = f"""# CPU-scale study: does the curse of depth appear, and does LNS lift it?
 
 {study_lib.generated_by('utils/compare_norms.py', argv, args)}{study_lib.sitting_clause(argv, started, reused)}
-{status} The {len(records)} runs trained for {train_minutes:.0f} minutes and were analysed for {analysis_minutes:.0f} minutes
-({len(timed)} runs timed), one thread each, {args.jobs} at a time: {run_minutes:.0f} run-minutes, by group
+{status} The {len(records)} runs trained for {train_minutes:.0f} minutes and were analysed for
+{analysis_minutes:.0f} minutes ({len(timed)} runs timed), one thread each, {args.jobs} at a time: {run_minutes:.0f} run-minutes, by group
 {group_minutes}. {study_lib.wall_time_sentence(specs, records, args.jobs)}
 
 ## Verdicts
