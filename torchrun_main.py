@@ -31,17 +31,17 @@ from tqdm import tqdm
 from peft_pretraining import args_utils, checkpointing, run_folder, training_utils
 from peft_pretraining.dataloader import (
     IGNORE_INDEX,
+    VOCAB_MULTIPLE,
     build_train_stream,
     check_vocab_covers_tokenizer,
     count_target_tokens,
     iter_eval_batches,
     load_tokenizer,
+    vocab_size_covering,
 )
 from peft_pretraining.distributed import (broadcast_from_rank0, grad_sync, init_distributed, leave_process_group,
                                           report_exit_code, wrap_model)
 from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config, canonical_norm_type
-
-VOCAB_MULTIPLE = 64
 
 
 class BadInput(Exception):
@@ -110,7 +110,7 @@ def build_model_config(args, tokenizer, log):
         config.embed_init_std = config.initializer_range
     if len(tokenizer) > config.vocab_size:
         # e.g. t5-base has 32100 ids for the paper's 32000-row configs; round up so the matmul shapes stay friendly.
-        resized = math.ceil(len(tokenizer) / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+        resized = vocab_size_covering(tokenizer)
         log(f"vocab: resized vocab_size {config.vocab_size} -> {resized} to cover the tokenizer's {len(tokenizer)} "
             f"ids (rounded up to a multiple of {VOCAB_MULTIPLE})")
         config.vocab_size = resized
@@ -145,7 +145,7 @@ def check_checkpoint_matches(args, config, checkpoint: str):
 def unfinished_last_checkpoint(args, resume_state: dict) -> bool:
     """The run's last checkpoint, resumed in its own folder, which has no results.json: the run stopped between its
     last save and its results, and resuming it only evaluates and writes them."""
-    own_folder = os.path.realpath(os.path.dirname(os.path.abspath(args.continue_from)))
+    own_folder = args_utils.checkpoint_run_folder(args.continue_from)
     return (resume_state["update_step"] == args.num_training_steps and os.path.realpath(args.save_dir) == own_folder
             and not os.path.exists(os.path.join(own_folder, "results.json")))
 

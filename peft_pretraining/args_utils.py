@@ -193,7 +193,7 @@ def branches_into_another_run(checkpoint: str, save_dir: str) -> bool:
     already holds a run: writing there would mix that run's history with the branch's. A run killed before its
     first checkpoint counts when its metrics.jsonl has rows up to the branch step; rows only after it are an
     interrupted attempt of this same branch, which the resume moves to metrics_superseded.jsonl."""
-    if os.path.realpath(save_dir) == _own_folder(checkpoint):
+    if os.path.realpath(save_dir) == checkpoint_run_folder(checkpoint):
         return False
     return holds_a_run(save_dir) or _has_rows_up_to(os.path.join(save_dir, "metrics.jsonl"), _step_of(checkpoint))
 
@@ -213,13 +213,14 @@ def _has_rows_up_to(metrics_path: str, step: int | None) -> bool:
     return any(step is None or json.loads(line).get("step", 0) <= step for line in lines)
 
 
-def _own_folder(checkpoint: str) -> str:
+def checkpoint_run_folder(checkpoint: str) -> str:
+    """The run folder a checkpoint belongs to (its parent), resolved."""
     return os.path.realpath(os.path.dirname(os.path.abspath(checkpoint)))
 
 
 def branch_refusal(checkpoint: str, save_dir: str) -> str:
     return (f"--save_dir {save_dir} already holds another run, and --continue_from {checkpoint} belongs to "
-            f"{_own_folder(checkpoint)}; branch into a new --save_dir, or resume "
+            f"{checkpoint_run_folder(checkpoint)}; branch into a new --save_dir, or resume "
             f"{save_dir} with --continue_from {save_dir}")
 
 
@@ -417,8 +418,9 @@ def check_args(args, parser, world_size: int):
         if os.path.basename(args.save_dir) == SUPERSEDED_DIR:
             parser.error(f"--continue_from {args.continue_from}: a superseded checkpoint; pass a new --save_dir "
                          f"to branch from it")
-    if args.save_dir is not None and check_save_dir(args.save_dir) is not None:
-        parser.error(check_save_dir(args.save_dir))
+    unusable = check_save_dir(args.save_dir) if args.save_dir is not None else None
+    if unusable is not None:
+        parser.error(unusable)
     if args.save_dir is not None:
         holder = run_folder.lock_holder(args.save_dir)
         if holder is not None:

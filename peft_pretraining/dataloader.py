@@ -28,6 +28,7 @@ import gzip
 import io
 import json
 import logging
+import math
 import pathlib
 import re
 import warnings
@@ -211,6 +212,15 @@ def check_vocab_covers_tokenizer(vocab_size: int, tokenizer) -> None:
         raise ValueError(f"the model vocab_size {vocab_size} is smaller than the tokenizer "
                          f"{getattr(tokenizer, 'name_or_path', '')!r} with {len(tokenizer)} ids; ids >= {vocab_size} "
                          "would index past the embedding (resize the vocabulary or pick a matching tokenizer)")
+
+
+VOCAB_MULTIPLE = 64
+
+
+def vocab_size_covering(tokenizer) -> int:
+    """The tokenizer's id count rounded up to a multiple of VOCAB_MULTIPLE (matmul-friendly shapes): the vocabulary
+    the trainer gives a model whose config is smaller than its tokenizer (t5-base's 32100 ids -> 32128)."""
+    return math.ceil(len(tokenizer) / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
 def count_target_tokens(labels) -> int:
@@ -755,27 +765,18 @@ def iter_eval_batches(*, dataset: str, dataset_path: str | None, tokenizer, max_
     if world_size == 1:
         yield from batches
         return
-    held, count = [], 0  # pieces of batches holding this rank's rows not yet yielded, and their row count
-    index, first, yielded_any = 0, None, False  # global index of the next row; the eval set's first batch
-    for batch in batches:
-        first = first if first is not None else batch
-        rows = len(batch["input_ids"])
-        mine = torch.arange(index, index + rows) % world_size == rank
-        index += rows
-        if mine.any():
-            held.append({key: value[mine] for key, value in batch.items()})
-            count += int(mine.sum())
-        while count >= batch_size:
-            merged = {key: torch.cat([piece[key] for piece in held]) for key in held[0]}
-            yield {key: value[:batch_size] for key, value in merged.items()}
-            yielded_any, count = True, count - batch_size
-            held = [{key: value[batch_size:] for key, value in merged.items()}] if count else []
-    if held:
-        yield {key: torch.cat([piece[key] for piece in held]) for key in held[0]}
-    elif not yielded_any and first is not None:
-        placeholder = {key: value[:1].clone() for key, value in first.items()}
+    whole = list(batches)  # every rank holds the whole eval set (bounded by eval_tokens), then keeps its rows
+    if not whole:
+        return
+    rows = {key: torch.cat([batch[key] for batch in whole]) for key in whole[0]}
+    mine = {key: value[rank::world_size] for key, value in rows.items()}
+    if len(mine["input_ids"]) == 0:  # fewer rows than ranks: lockstep evaluation still needs a batch to run
+        placeholder = {key: value[:1].clone() for key, value in rows.items()}
         placeholder["labels"].fill_(IGNORE_INDEX)
         yield placeholder
+        return
+    for start in range(0, len(mine["input_ids"]), batch_size):
+        yield {key: value[start:start + batch_size].contiguous() for key, value in mine.items()}
 
 
 def _eval_set_batches(source, tokenizer, max_length: int, batch_size: int, eval_tokens: int,

@@ -26,7 +26,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from peft_pretraining.dataloader import EMBEDDED_DIR, TOKENIZER_DIR
+from peft_pretraining.dataloader import EMBEDDED_DIR, TOKENIZER_DIR, vocab_size_covering
 
 EMBEDDED_HELDOUT_TEXT = EMBEDDED_DIR / "validation.jsonl.gz"  # the held-out novel, one JSON {"text"} per line
 REPO_TOKENIZER = TOKENIZER_DIR
@@ -171,8 +171,7 @@ def load_model_and_tokenizer(model_path: str, dtype: torch.dtype | str = torch.f
     tokenizer = load_tokenizer(model_path, tokenizer_path)
     model = load_model(model_path, dtype=dtype, device=device)
     vocab_size = model.get_input_embeddings().num_embeddings
-    padded = -(-len(tokenizer) // 64) * 64  # the trainer rounds a vocabulary up to a multiple of 64
-    if tokenizer_path is None and _is_repo_tokenizer(tokenizer) and vocab_size > padded:
+    if tokenizer_path is None and _is_repo_tokenizer(tokenizer) and vocab_size > vocab_size_covering(tokenizer):
         # The fallback cannot be the model's tokenizer: it would feed wrong ids, and every analysis would still run.
         raise SystemExit(f"--tokenizer: {model_path!r} has no tokenizer and embeds {vocab_size} tokens, more than "
                          f"the repository's {len(tokenizer)}-token tokenizer; pass the tokenizer it was trained with")
