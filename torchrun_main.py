@@ -404,6 +404,9 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
         all_ranks_targets = torch.tensor(sum(targets), dtype=torch.float64, device=device)
         dist.all_reduce(all_ranks_targets)
         update_targets = all_ranks_targets.item()
+        if update_targets == 0:  # every rank agrees: the count is all-reduced
+            raise BadInput(f"update step {update_step + 1} has no target token on any rank: every row holds at most "
+                           "one token (empty documents in the training data?)")
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         tokens_in_update = torch.zeros((), dtype=torch.int64, device=device)
         for micro, batch in enumerate(micro_batches):
@@ -416,7 +419,8 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
                 with autocast():
                     loss = train_model(**batch).loss
                 (loss * (share * world_size)).backward()  # DDP and FSDP average gradients over the ranks
-            loss_sum += loss.detach().double() * share
+            if targets[micro]:  # no targets: the mean loss is NaN (its gradient is zero), and its share is 0
+                loss_sum += loss.detach().double() * share
         # One small all-reduce per update: the token-weighted mean loss, and the tokens of all ranks.
         update_stats = torch.stack([loss_sum, tokens_in_update.double()])
         dist.all_reduce(update_stats)

@@ -486,3 +486,31 @@ def test_a_checkpoint_config_saying_cod_resumes_as_lns(tmp_path):
     config.norm_type = "pre"
     with pytest.raises(torchrun_main.BadInput, match="--norm_type"):
         torchrun_main.check_checkpoint_matches(args, config, str(tmp_path))
+
+
+def write_corpus(folder: Path, train_texts: list[str]) -> Path:
+    folder.mkdir(parents=True)
+    for name, texts in (("train", train_texts), ("validation", ["Emma walked to the village and back again."] * 4)):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return folder
+
+
+def test_a_micro_batch_without_targets_takes_no_share_of_the_update(tmp_path, monkeypatch):
+    """An empty document is a row holding only EOS: no target. At batch size 1 its micro-batch's mean loss is NaN
+    (its gradient is zero). It must weigh nothing, not stop the run as diverged."""
+    texts = ["Mr. Knightley walked in the garden at Hartfield.", ""] * 8
+    corpus = write_corpus(tmp_path / "corpus", texts)
+    run_dir = tmp_path / "run"
+    extra = ["--dataset_path", str(corpus), "--tokenizer", "embedded", "--batch_size", "1", "--total_batch_size", "2"]
+    assert train_in_process(extra, run_dir, monkeypatch) == 0
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert len(rows) == 2 and all(math.isfinite(row["loss"]) for row in rows)
+    assert json.loads((run_dir / "results.json").read_text())["status"] == "finished"
+
+
+def test_an_update_without_any_target_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    corpus = write_corpus(tmp_path / "corpus", [""] * 8)
+    extra = ["--dataset_path", str(corpus), "--tokenizer", "embedded"]
+    assert train_in_process(extra, tmp_path / "run", monkeypatch) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "error: update step 1 has no target token on any rank" in errors[0], errors
