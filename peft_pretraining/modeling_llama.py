@@ -532,6 +532,9 @@ class LlamaPreTrainedModel(PreTrainedModel):
                 init.normal_(module.weight, mean=0.0, std=std * factor)
         elif isinstance(module, nn.Embedding):
             init.normal_(module.weight, mean=0.0, std=layer_plan(self.config).embed_init_std)
+            # As in HF: the pad row starts at zero. Slicing drops the "already loaded" flag, so check it here.
+            if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
+                init.zeros_(module.weight[module.padding_idx])
         elif isinstance(module, RMSNorm):
             init.ones_(module.weight)
         elif isinstance(module, DyT):
@@ -544,11 +547,18 @@ class LlamaPreTrainedModel(PreTrainedModel):
             module.reset_tables()
 
 
+def frozen_pad_id(config) -> int | None:
+    """The embedding row that never trains (`padding_idx`): the pad id, unless it is also EOS, which ends every
+    document (a tokenizer without a pad token pads with EOS): freezing it would freeze a real input token."""
+    pad_id, eos_id = getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)
+    return None if pad_id in (eos_id if isinstance(eos_id, (list, tuple)) else [eos_id]) else pad_id
+
+
 class LlamaModel(LlamaPreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
         plan = layer_plan(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, getattr(config, "pad_token_id", None))
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, frozen_pad_id(config))
         self.layers = nn.ModuleList(DecoderLayer(config, i, plan) for i in range(config.num_hidden_layers))
         # Applied after every variant, Post-LN included (as in the reference): it keeps one parameter layout for all.
         self.norm = make_norm(plan.final_norm, config, plan.dyt_alpha_init[1])

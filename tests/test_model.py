@@ -373,6 +373,23 @@ def test_embedding_init_std(embed_init_std):
     assert model.lm_head.weight.std().item() == pytest.approx(model.config.initializer_range, rel=0.05)
 
 
+def test_the_pad_row_starts_at_zero_and_stays_frozen_like_hf():
+    model = tiny_model("pre")
+    hf = HFLlamaForCausalLM(LlamaConfig.from_json_file(str(TINY)))
+    pad_id = model.config.pad_token_id
+    assert model.model.embed_tokens.padding_idx == hf.model.embed_tokens.padding_idx == pad_id
+    assert not model.model.embed_tokens.weight[pad_id].any() and not hf.model.embed_tokens.weight[pad_id].any()
+
+
+def test_a_pad_that_is_also_eos_still_trains_the_eos_embedding():
+    """A tokenizer without a pad token pads with EOS. EOS ends every document, so it must not be the frozen row."""
+    model = tiny_model("pre", pad_token_id=1, eos_token_id=1)
+    assert model.model.embed_tokens.padding_idx is None
+    tokens = torch.tensor([[5, 6, 1, 7, 8, 1]])  # packed: EOS is an input between documents
+    model(tokens, labels=tokens).loss.backward()
+    assert model.model.embed_tokens.weight.grad[1].abs().sum() > 0
+
+
 def test_dyt_replaces_every_norm_with_the_documented_alpha0():
     model = tiny_model("dyt", dyt_alpha_init=[0.7, 0.3])
     layer = model.model.layers[0]
