@@ -102,6 +102,7 @@ def next_sentence_items(texts: list[str], num_examples: int, num_choices: int = 
     """"Which sentence continues this passage?" items: up to ``context_sentences`` consecutive sentences of a text,
     the sentence that follows them, and ``num_choices - 1`` distractor sentences from other texts, shuffled.
     Deterministic for a given seed."""
+    import collections
     import random
 
     if num_choices < 2:
@@ -112,12 +113,16 @@ def next_sentence_items(texts: list[str], num_examples: int, num_choices: int = 
     if not positions or sum(1 for sentences in sentences_by_text if sentences) < num_choices:
         raise ValueError(f"too few multi-sentence passages to build {num_choices}-way next-sentence items")
     rng.shuffle(positions)
+    # Distinct sentences outside text t = all distinct sentences but those found in no other text.
+    texts_holding = collections.Counter(s for sentences in sentences_by_text for s in set(sentences))
+    outside_count = [len(texts_holding) - sum(1 for s in set(sentences) if texts_holding[s] == 1)
+                     for sentences in sentences_by_text]
     items = []
     for text_index, position in positions[:num_examples]:
         sentences = sentences_by_text[text_index]
         answer = sentences[position]
-        pool = {s for t, others in enumerate(sentences_by_text) if t != text_index for s in others} - {answer}
-        if len(pool) < num_choices - 1:  # the draw below would never end
+        answer_elsewhere = texts_holding[answer] > 1  # then the pool below excludes it
+        if outside_count[text_index] - answer_elsewhere < num_choices - 1:  # the draw below would never end
             raise ValueError(f"too few distinct sentences outside text {text_index} for {num_choices}-way items")
         distractors = set()
         while len(distractors) < num_choices - 1:
