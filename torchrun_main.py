@@ -280,7 +280,8 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
         model.model.rotary_emb.reset_tables()  # a non-persistent buffer, in no checkpoint
     if args.compile:
         train_model = torch.compile(train_model)  # the uncompiled `model` shares its weights: saving is unchanged
-    optimizer = training_utils.build_optimizer(train_model.parameters(), args.optimizer, args.lr, args.weight_decay)
+    optimizer = training_utils.build_optimizer(train_model.parameters(), args.optimizer, args.lr, args.weight_decay,
+                                               args.adam_kernel)
     update_step, tokens_seen = 0, 0
     if sharded:
         try:

@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     optim = p.add_argument_group("optimisation")
     optim.add_argument("--optimizer", type=str.lower, default="adam", choices=("adam", "adamw"))
+    optim.add_argument("--adam_kernel", type=str.lower, default="fused", choices=("fused", "foreach"),
+                       help="fused: each update computed in fp32, rounded once (default); foreach: the reference's "
+                            "kernel, whose intermediates round to bf16 under --dtype bfloat16")
     optim.add_argument("--lr", type=float, default=1e-4)
     optim.add_argument("--scheduler", type=str.lower, default="cosine", choices=("cosine", "linear"))
     optim.add_argument("--min_lr_ratio", type=float, default=0.1)

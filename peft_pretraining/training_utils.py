@@ -45,14 +45,18 @@ class CheckpointError(RuntimeError):
 # Optimizer and schedule
 # ----------------------------------------------------------------------------------------------------------------
 
-def build_optimizer(params, name: str, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """Adam / AdamW with torch's fused kernel where the device supports it, else the foreach one."""
+def build_optimizer(params, name: str, lr: float, weight_decay: float, kernel: str = "fused") -> torch.optim.Optimizer:
+    """Adam / AdamW. kernel "fused": torch's fused kernel (each element's update computed in fp32 and rounded once),
+    falling back to foreach where the device has none; "foreach": the multi-tensor kernel, as in the reference, whose
+    intermediates round to the parameters' dtype. The two differ beyond rounding noise only in pure bf16."""
     params = [p for p in params if p.requires_grad]
     optimizer_class = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
-    try:
-        return optimizer_class(params, lr=lr, weight_decay=weight_decay, fused=True)
-    except (RuntimeError, ValueError):
-        return optimizer_class(params, lr=lr, weight_decay=weight_decay, foreach=True)
+    if kernel == "fused":
+        try:
+            return optimizer_class(params, lr=lr, weight_decay=weight_decay, fused=True)
+        except (RuntimeError, ValueError):
+            pass
+    return optimizer_class(params, lr=lr, weight_decay=weight_decay, foreach=True)
 
 
 def lr_factor(update_index: int, *, scheduler_type: str, num_training_steps: int, warmup_steps: int,
@@ -101,7 +105,7 @@ def build_scheduler(optimizer, *, scheduler_type: str, num_training_steps: int, 
 
 RESUME_FLAGS_TO_COMPARE = ("lr", "scheduler", "min_lr_ratio", "warmup_steps", "num_training_steps", "weight_decay",
                            "optimizer", "total_batch_size", "batch_size", "max_length", "packing", "dataset",
-                           "dataset_path", "tokenizer", "dtype", "grad_clipping", "seed")
+                           "dataset_path", "tokenizer", "dtype", "grad_clipping", "seed", "adam_kernel")
 
 
 def changed_flags(saved_args: dict, new_args: dict) -> dict:
@@ -418,10 +422,14 @@ def load_training_state(checkpoint: str) -> dict:
 
 
 def load_optimizer_state(model, optimizer, optimizer_state: dict):
+    # The saved groups replace the optimizer's own, kernel choice included: keep this run's (--adam_kernel).
+    kernels = [{key: group[key] for key in ("fused", "foreach") if key in group} for group in optimizer.param_groups]
     for group in optimizer.param_groups:  # the saved groups carry the scheduler's key; build_scheduler resets it
         group.setdefault("initial_lr", group["lr"])
     options = StateDictOptions(full_state_dict=True)
     set_optimizer_state_dict(model, optimizer, optim_state_dict=optimizer_state, options=options)
+    for group, kernel in zip(optimizer.param_groups, kernels, strict=True):
+        group.update(kernel)
 
 
 # ----------------------------------------------------------------------------------------------------------------

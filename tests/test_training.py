@@ -514,3 +514,34 @@ def test_an_update_without_any_target_is_a_one_line_error(tmp_path, monkeypatch,
     assert train_in_process(extra, tmp_path / "run", monkeypatch) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and "error: update step 1 has no target token on any rank" in errors[0], errors
+
+
+def test_the_adam_kernel_is_a_flag_and_a_resume_keeps_this_runs_choice():
+    """In pure bf16 the reference's foreach kernel rounds its intermediates to bf16, the fused one rounds once: the
+    weights part after a few steps. A loaded checkpoint's param groups must not bring back the kernel it used."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from peft_pretraining.training_utils import build_optimizer, load_optimizer_state
+
+    tokens = torch.randint(0, 8192, (2, 16), generator=torch.Generator().manual_seed(0))
+    trained = {}
+    for kernel in ("fused", "foreach"):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(build_config(REPO / "configs" / "llama_tiny.json")).to(torch.bfloat16)
+        optimizer = build_optimizer(model.parameters(), "adam", 3e-3, 0.0, kernel)
+        assert optimizer.param_groups[0]["fused" if kernel == "fused" else "foreach"]
+        for _ in range(3):
+            model(tokens, labels=tokens).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        trained[kernel] = (model, optimizer)
+    fused_weights = torch.cat([p.flatten() for p in trained["fused"][0].parameters()])
+    foreach_weights = torch.cat([p.flatten() for p in trained["foreach"][0].parameters()])
+    assert (fused_weights != foreach_weights).float().mean() > 0.01
+
+    model, optimizer = trained["fused"]
+    saved = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    resumed = build_optimizer(model.parameters(), "adam", 3e-3, 0.0, "foreach")
+    load_optimizer_state(model, resumed, saved)
+    assert resumed.param_groups[0]["foreach"] and not resumed.param_groups[0]["fused"]
+    assert resumed.state[next(model.parameters())]["step"] == 3
