@@ -398,16 +398,15 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
     train_model.train()
     while update_step < args.num_training_steps:
         update_start = time.perf_counter()
-        micro_batches = [next(stream) for _ in range(args.gradient_accumulation)]
+        with user_errors():  # bad data found mid-stream (an empty shard, a non-string text) is bad input too
+            micro_batches = [next(stream) for _ in range(args.gradient_accumulation)]
         # Every target token of the update weighs the same, however padding splits them over micro-batches and
-        # ranks: each micro-batch's mean loss is weighted by its share of the update's targets (all ranks).
+        # ranks: each micro-batch's mean loss is weighted by its share of the update's targets (all ranks). Every row
+        # holds a target: the loader gives an empty document no row.
         targets = [count_target_tokens(batch["labels"]) for batch in micro_batches]
         all_ranks_targets = torch.tensor(sum(targets), dtype=torch.float64, device=device)
         dist.all_reduce(all_ranks_targets)
         update_targets = all_ranks_targets.item()
-        if update_targets == 0:  # every rank agrees: the count is all-reduced
-            raise BadInput(f"update step {update_step + 1} has no target token on any rank: every row holds at most "
-                           "one token (empty documents in the training data?)")
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         tokens_in_update = torch.zeros((), dtype=torch.int64, device=device)
         for micro, batch in enumerate(micro_batches):
@@ -420,8 +419,7 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
                 with autocast():
                     loss = train_model(**batch).loss
                 (loss * (share * world_size)).backward()  # DDP and FSDP average gradients over the ranks
-            if targets[micro]:  # no targets: the mean loss is NaN (its gradient is zero), and its share is 0
-                loss_sum += loss.detach().double() * share
+            loss_sum += loss.detach().double() * share
         # One small all-reduce per update: the token-weighted mean loss, and the tokens of all ranks.
         update_stats = torch.stack([loss_sum, tokens_in_update.double()])
         dist.all_reduce(update_stats)

@@ -31,6 +31,8 @@ import logging
 import math
 import pathlib
 import re
+import shutil
+import tempfile
 import warnings
 import zlib
 from typing import Iterable, Iterator
@@ -192,12 +194,18 @@ def load_tokenizer(name_or_path: str):
     if name_or_path == EMBEDDED:
         if not (TOKENIZER_DIR / "tokenizer.json").exists():
             logger.warning("data/tokenizer is missing: training it on %s", embedded_split_path("train"))
-            train_tokenizer(read_jsonl_texts(embedded_split_path("train")), TOKENIZER_DIR)
+            # Every rank may get here at once: each trains into its own folder, and the first rename wins.
+            staging = pathlib.Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=TOKENIZER_DIR.parent))
+            train_tokenizer(read_jsonl_texts(embedded_split_path("train")), staging)
+            try:
+                staging.rename(TOKENIZER_DIR)
+            except OSError:  # another rank's folder is in place (or a partial old one: left for a person to see)
+                shutil.rmtree(staging, ignore_errors=True)
         tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
     else:
         try:
             tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-        except OSError as error:
+        except (OSError, ValueError) as error:  # ValueError: a folder without tokenizer files
             raise ValueError(f"--tokenizer {name_or_path!r} could not be loaded ({error}); use --tokenizer embedded "
                              "offline") from error
     if tokenizer.pad_token is None:
@@ -325,7 +333,7 @@ class StreamingSource:
                 shard_index, block, start = shard_index + 1, 0, None
             if not found:
                 raise ValueError(f"rank {self.rank} of world_size {self.world_size} has no documents in lane {lane} "
-                                 "of its shard of the training split")
+                                 "of its shard of the training split (--dataset / --dataset_path)")
             epoch, shard_index = epoch + 1, 0
 
 
@@ -336,9 +344,16 @@ def _local_kind(path: pathlib.Path) -> str | None:
 
 
 def _local_files(path: pathlib.Path) -> list[pathlib.Path]:
+    """Supported files under path. Empty files are left out: each file is a shard, and a shard with no document
+    would stop training when its turn came."""
     if path.is_file():
         return [path]
-    return sorted(p for p in path.rglob("*") if p.is_file() and _local_kind(p) and not p.name.startswith("."))
+    files = sorted(p for p in path.rglob("*") if p.is_file() and _local_kind(p) and not p.name.startswith("."))
+    empty = [f for f in files if f.stat().st_size == 0]
+    if empty:
+        warnings.warn(f"--dataset_path {path}: skipping {len(empty)} empty file(s): {[f.name for f in empty][:5]}",
+                      stacklevel=2)
+    return [f for f in files if f not in empty]
 
 
 def _local_builder(files: list[pathlib.Path], dataset_path: str) -> str:
@@ -349,7 +364,9 @@ def _local_builder(files: list[pathlib.Path], dataset_path: str) -> str:
     return kinds.pop()
 
 
-_VALIDATION_NAME = re.compile(r"(^|[^a-z])val", re.IGNORECASE)  # "val", "my_val", "validation"; not "interval"
+# A word "val", "valid" or "validation" in the path: "val.jsonl", "my_val/", "c4-validation.json.gz"; not "interval",
+# "valley_of_fear.txt" or "train_values.jsonl".
+_VALIDATION_NAME = re.compile(r"(^|[^a-z])val(id(ation)?)?([^a-z]|$)", re.IGNORECASE)
 
 
 def _is_validation_name(name: str) -> bool:
@@ -396,8 +413,15 @@ def _open_local_split(dataset_path: str, split: str):
     return dataset.select_columns(["text"])
 
 
+def _require_text(text) -> None:
+    """Only the first record's "text" is checked when a source opens; a later null or number is found here."""
+    if not isinstance(text, str):
+        raise ValueError(f"a document's \"text\" is {type(text).__name__}, not a string (--dataset / --dataset_path)")
+
+
 def _in_validation_slice(example: dict, expected: bool) -> bool:
     """The held-out slice of a local corpus without a validation file: stable under any reordering of documents."""
+    _require_text(example["text"])
     return (zlib.crc32(example["text"].encode("utf-8")) % LOCAL_VALIDATION_EVERY == 0) == expected
 
 
@@ -410,6 +434,9 @@ def _open_hub_split(dataset: str, config: str | None, split: str):
     except Exception as error:  # offline, unknown name, missing split: all surface as one clear message
         raise ValueError(f"--dataset {dataset!r} (config {config!r}, split {split!r}) could not be opened: {error}. "
                          "Offline, use --dataset embedded or --dataset_path") from error
+    if stream.column_names is not None and "text" not in stream.column_names:
+        raise ValueError(f"--dataset {dataset!r} (config {config!r}, split {split!r}) has no \"text\" column: "
+                         f"{stream.column_names}")
     return stream.select_columns(["text"])
 
 
@@ -434,6 +461,8 @@ def _make_source(*, dataset: str, dataset_path: str | None, split: str, seed: in
 def tokenize_documents(tokenizer, texts: list[str], max_length: int, packing: bool) -> list[np.ndarray]:
     """Each document -> its ids followed by EOS; with padding, truncated so that ids + EOS fit in max_length."""
     eos = tokenizer.eos_token_id
+    for text in texts:
+        _require_text(text)
     if packing:
         encoded = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
     else:
@@ -643,13 +672,24 @@ class TrainStream:
         position["token_offset"] = token_offset
         return position
 
+    def _epoch_of(self, cursor) -> int:
+        return cursor[2] if self.lane_reader else cursor[0]
+
     def _generate(self):
         T, B = self.max_length, self.batch_size
         documents = self._documents()
         if not self.packing:
+            skipped_from_epoch = None  # the epoch where the current run of documents without a target began
             while True:
                 rows, cursor = [], None
                 for tokens, cursor in documents:
+                    if len(tokens) < 2:  # an empty document: EOS alone, nothing to predict; its row would be padding
+                        skipped_from_epoch = self._epoch_of(cursor) if skipped_from_epoch is None else skipped_from_epoch
+                        if self._epoch_of(cursor) >= skipped_from_epoch + 2:  # a whole epoch without a target
+                            raise ValueError("no training document holds a target token: every document is empty "
+                                             "(--dataset / --dataset_path)")
+                        continue
+                    skipped_from_epoch = None
                     rows.append(tokens)
                     if len(rows) == B:
                         break
@@ -709,7 +749,8 @@ def build_train_stream(*, dataset: str, dataset_path: str | None, tokenizer, max
     source = _make_source(dataset=dataset, dataset_path=dataset_path, split="train", seed=seed, rank=rank,
                           world_size=world_size, shuffle=True, dataset_config=dataset_config, block_size=SHUFFLE_BLOCK)
     description = {"dataset": dataset if dataset_path is None else f"path:{dataset_path}", "seed": seed, "rank": rank,
-                   "world_size": world_size, "max_length": max_length, "packing": packing}
+                   "world_size": world_size, "max_length": max_length, "packing": packing,
+                   "dataset_config": dataset_config, "vocab": len(tokenizer), "eos_id": tokenizer.eos_token_id}
     return TrainStream(source, tokenizer, max_length=max_length, packing=packing, batch_size=batch_size,
                        num_workers=num_workers, description=description)
 
@@ -727,7 +768,7 @@ def _eval_rows(source, tokenizer, max_length: int, packing: bool) -> Iterator[np
             break
         arrays = tokenize_documents(tokenizer, chunk, max_length, packing)
         if not packing:
-            yield from arrays
+            yield from (array for array in arrays if len(array) >= 2)  # an empty document has no target
             continue
         pending = np.concatenate([pending, *arrays])
         while len(pending) >= max_length:
@@ -787,6 +828,9 @@ def _eval_set_batches(source, tokenizer, max_length: int, batch_size: int, eval_
     while yielded < eval_tokens:
         batch_rows = [row for _, row in zip(range(batch_size), rows)]
         if not batch_rows:
+            if yielded == 0:
+                raise ValueError("the validation split holds no target token: no validation document, or only empty "
+                                 "ones (--dataset / --dataset_path)")
             warnings.warn(f"the validation split gives only {yielded} target tokens, fewer than --eval_tokens "
                           f"{eval_tokens}", stacklevel=3)
             return

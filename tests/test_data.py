@@ -407,6 +407,71 @@ def test_local_validation_file_naming(tmp_path):
         stream(None, dataset="local", dataset_path=str(tmp_path / "d"))
 
 
+@pytest.mark.parametrize("name, validation", [
+    ("val.jsonl", True), ("my_val/part.jsonl", True), ("valid.txt", True), ("c4-validation.00000.json.gz", True),
+    ("VAL/a.txt", True), ("interval.txt", False), ("valley_of_fear.txt", False), ("train_values.jsonl", False),
+    ("evaluation.txt", False)])
+def test_validation_file_names_are_whole_words(name, validation):
+    assert data._is_validation_name(name) == validation
+
+
+def test_bad_local_data_is_found_before_or_named_by_a_value_error(tmp_path, tokenizer):
+    """Each of these used to pass start-up and then stop a run mid-way with a traceback."""
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", sentences(12, "train"))
+    write_jsonl(tmp_path / "corpus" / "val.jsonl", sentences(4, "val"))
+    (tmp_path / "corpus" / "b.jsonl").write_text("")  # an empty shard: its lane would find no document
+    with pytest.warns(UserWarning, match="empty file"):
+        assert data.resolve_local_splits(str(tmp_path / "corpus"))[0] == [tmp_path / "corpus" / "a.jsonl"]
+        assert len(take(stream(tokenizer, dataset="local", dataset_path=str(tmp_path / "corpus"), batch_size=4),
+                        8)) == 8
+    records = [{"text": t} for t in sentences(6, "train")] + [{"text": None}]
+    (tmp_path / "nulls").mkdir()
+    (tmp_path / "nulls" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(ValueError, match="\"text\" is NoneType.*--dataset_path"):
+        take(stream(tokenizer, dataset="local", dataset_path=str(tmp_path / "nulls" / "train.jsonl"),
+                    batch_size=7), 1)
+
+
+def test_empty_documents_get_no_row_and_a_corpus_of_them_is_an_error(tmp_path, tokenizer):
+    texts = [t for pair in zip(sentences(6, "train"), [""] * 6) for t in pair]
+    write_jsonl(tmp_path / "corpus" / "train.jsonl", texts)
+    write_jsonl(tmp_path / "corpus" / "validation.jsonl", ["", *sentences(2, "val"), ""])
+    path = str(tmp_path / "corpus")
+    batches = take(stream(tokenizer, dataset="local", dataset_path=path, batch_size=3, max_length=512), 4)
+    assert all((batch["attention_mask"].sum(dim=1) >= 2).all() for batch in batches)
+    assert decoded_documents(tokenizer, batches) == set(sentences(6, "train"))  # two epochs of the non-empty six
+    eval_rows = [row for batch in data.iter_eval_batches(dataset="local", dataset_path=path, tokenizer=tokenizer,
+                                                         max_length=64, packing=False, batch_size=4,
+                                                         eval_tokens=40, rank=0, world_size=1)
+                 for row in batch["attention_mask"]]
+    assert all(row.sum() >= 2 for row in eval_rows)
+    write_jsonl(tmp_path / "empty" / "train.jsonl", [""] * 5)
+    write_jsonl(tmp_path / "empty" / "validation.jsonl", [""] * 3)
+    with pytest.raises(ValueError, match="no training document holds a target token"):
+        take(stream(tokenizer, dataset="local", dataset_path=str(tmp_path / "empty"), batch_size=2), 1)
+    with pytest.raises(ValueError, match="validation split holds no target token"):
+        next(data.iter_eval_batches(dataset="local", dataset_path=str(tmp_path / "empty"), tokenizer=tokenizer,
+                                    max_length=64, packing=False, batch_size=2, eval_tokens=10, rank=0,
+                                    world_size=1))
+
+
+def test_a_stream_saved_with_one_tokenizer_does_not_resume_with_another(tmp_path, tokenizer):
+    from utils.offline_fixtures import write_t5_style_tokenizer
+
+    first = stream(tokenizer, packing=True, max_length=48, batch_size=3)
+    take(first, 2)
+    other = data.load_tokenizer(str(write_t5_style_tokenizer(tmp_path / "t5")))
+    with pytest.raises(ValueError, match="vocab"):
+        stream(other, packing=True, max_length=48, batch_size=3).load_state_dict(first.state_dict())
+
+
+def test_a_folder_without_tokenizer_files_names_the_flag(tmp_path):
+    (tmp_path / "not_a_tokenizer").mkdir()
+    (tmp_path / "not_a_tokenizer" / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match="--tokenizer"):
+        data.load_tokenizer(str(tmp_path / "not_a_tokenizer"))
+
+
 def test_missing_local_path_names_the_flag(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="--dataset_path.*nowhere"):
         stream(tokenizer, dataset="local", dataset_path=str(tmp_path / "nowhere"))

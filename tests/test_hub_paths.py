@@ -69,3 +69,12 @@ def test_trainer_runs_on_the_c4_folder_with_the_t5_style_tokenizer_on_two_gloo_r
     config = json.loads((run_dir / "model_3" / "config.json").read_text())
     assert (config["pad_token_id"], config["eos_token_id"]) == (0, 1)  # the checkpoint records t5's special ids
     assert type(load_tokenizer(str(run_dir / "model_3"))).__name__ == "T5Tokenizer"
+
+
+def test_a_fixture_folder_that_is_a_file_is_a_one_line_error(tmp_path, capsys):
+    from utils.offline_fixtures import main
+
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(SystemExit) as exit:
+        main(["c4", str(tmp_path / "a_file")])
+    assert exit.value.code == 2 and "out_dir" in capsys.readouterr().err

@@ -495,9 +495,9 @@ def write_corpus(folder: Path, train_texts: list[str]) -> Path:
     return folder
 
 
-def test_a_micro_batch_without_targets_takes_no_share_of_the_update(tmp_path, monkeypatch):
-    """An empty document is a row holding only EOS: no target. At batch size 1 its micro-batch's mean loss is NaN
-    (its gradient is zero). It must weigh nothing, not stop the run as diverged."""
+def test_empty_documents_do_not_stop_a_run(tmp_path, monkeypatch):
+    """An empty document is EOS alone: no target. At batch size 1 its micro-batch's mean loss used to be NaN, and the
+    run stopped as diverged. The loader now gives it no row."""
     texts = ["Mr. Knightley walked in the garden at Hartfield.", ""] * 8
     corpus = write_corpus(tmp_path / "corpus", texts)
     run_dir = tmp_path / "run"
@@ -508,12 +508,12 @@ def test_a_micro_batch_without_targets_takes_no_share_of_the_update(tmp_path, mo
     assert json.loads((run_dir / "results.json").read_text())["status"] == "finished"
 
 
-def test_an_update_without_any_target_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+def test_training_data_without_any_target_is_a_one_line_error(tmp_path, monkeypatch, capsys):
     corpus = write_corpus(tmp_path / "corpus", [""] * 8)
     extra = ["--dataset_path", str(corpus), "--tokenizer", "embedded"]
     assert train_in_process(extra, tmp_path / "run", monkeypatch) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
-    assert len(errors) == 1 and "error: update step 1 has no target token on any rank" in errors[0], errors
+    assert len(errors) == 1 and "error: no training document holds a target token" in errors[0], errors
 
 
 def test_the_adam_kernel_is_a_flag_and_a_resume_keeps_this_runs_choice():

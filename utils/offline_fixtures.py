@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    if pathlib.Path(args.out_dir).exists() and not pathlib.Path(args.out_dir).is_dir():
+        parser.error(f"out_dir {args.out_dir}: exists and is not a folder")
     path = write_c4_layout(args.out_dir) if args.what == "c4" else write_t5_style_tokenizer(args.out_dir)
     print(path)
 
