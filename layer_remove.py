@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from peft_pretraining import lm_eval_tasks
 from peft_pretraining.cli import OneLineErrorParser
+from peft_pretraining.layernorm_scaling import fold_layernorm_scaling, has_layernorm_scaling
 from utils import model_io
 
 # Config attributes holding one entry per layer; the removed layer's entry is dropped.
@@ -177,13 +178,14 @@ def pick_metric(scores: dict, task: str, metric: str | None) -> str:
 
 def sweep(model, tokenizer, tasks: list[str], manager, max_length: int, metric: str | None = None,
           batch_size: int = 8, limit=None, bootstrap_iters: int = 0,
-          layer_indices: list[int] | None = None, per_document: bool = False) -> list[dict]:
+          layer_indices: list[int] | None = None, per_document: bool = False, on_rows=None) -> list[dict]:
     """Baseline plus one evaluation per removed layer; one row per (removed layer, task).
 
     ``drop`` is the performance lost by removing the layer (positive = worse), whatever the metric's direction:
     baseline - value when higher is better (accuracy), value - baseline when lower is better (perplexity).
     With ``per_document`` each row also holds ``documents``: the metric's value on each document (see
-    document_values), for intervals over documents.
+    document_values), for intervals over documents. ``on_rows`` is called with the rows so far after each
+    evaluation (run_sweep writes them to disk, so that a killed sweep keeps what it measured).
     """
     num_layers = len(model_io.decoder_layers(model))
     layer_indices = list(range(num_layers)) if layer_indices is None else layer_indices
@@ -202,6 +204,8 @@ def sweep(model, tokenizer, tasks: list[str], manager, max_length: int, metric: 
     metric_by_task = {task: pick_metric(baseline, task, metric) for task in tasks}
     rows = [row(None, task, metric_by_task[task], baseline[task][metric_by_task[task]][0], 0.0, 0.0,
                 baseline_documents) for task in tasks]
+    if on_rows is not None:
+        on_rows(rows)
     for index in tqdm(layer_indices, desc="removing layers", unit="layer", dynamic_ncols=True):
         with layer_removed(model, index):
             scores, documents = evaluate(model, tokenizer, tasks, manager, batch_size, limit, bootstrap_iters,
@@ -213,7 +217,20 @@ def sweep(model, tokenizer, tasks: list[str], manager, max_length: int, metric: 
             drop = base_value - value if higher_is_better else value - base_value
             rows.append(row(index, task, key, value, drop, drop / abs(base_value) if base_value else float("nan"),
                             documents))
+        if on_rows is not None:
+            on_rows(rows)
     return rows
+
+
+PARTIAL_SWEEP = "layer_removal.partial.json"
+
+
+def save_partial_sweep(rows: list[dict], output_dir: Path, metadata: dict) -> None:
+    """The rows measured so far, replaced atomically after each evaluation; save_sweep removes the file."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    staging = output_dir / f".{PARTIAL_SWEEP}.tmp"
+    staging.write_text(json.dumps(dict(metadata, rows=rows, complete=False), indent=1))
+    staging.replace(output_dir / PARTIAL_SWEEP)
 
 
 def save_sweep(rows: list[dict], output_dir: Path, metadata: dict) -> list[Path]:
@@ -230,7 +247,9 @@ def save_sweep(rows: list[dict], output_dir: Path, metadata: dict) -> list[Path]
     json_path = output_dir / "layer_removal.json"
     json_path.write_text(json.dumps(dict(metadata, rows=rows), indent=1))
     model_name = Path(str(metadata.get("model_path", "")).rstrip("/")).name
-    return [csv_path, json_path, plot_sweep(rows, output_dir / "layer_removal.png", model_name)]
+    written = [csv_path, json_path, plot_sweep(rows, output_dir / "layer_removal.png", model_name)]
+    (output_dir / PARTIAL_SWEEP).unlink(missing_ok=True)
+    return written
 
 
 def plot_sweep(rows: list[dict], path: Path, title: str) -> Path:
@@ -297,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also keep each document's metric value in layer_removal.json (for intervals over "
                              "documents); off by default, since it makes lm-eval keep every sample")
     parser.add_argument("--output_dir", default="runs/analysis/layer_removal", help="where the sweep table and plot go")
+    parser.add_argument("--overwrite", action="store_true", help="replace the sweep already in --output_dir")
     return parser
 
 
@@ -309,17 +329,23 @@ def _check_save_path(parser, save_path: str, model_path: str) -> Path:
     return path
 
 
-def _config_num_layers(parser, model_path: str) -> int:
+def _read_config(parser, model_path: str):
+    """The model's config (a dict for a local folder) without loading its weights."""
     model_io.check_model_path(parser, model_path)
     local = model_io.read_local_config(model_path)
     if local is not None:
-        return int(local["num_hidden_layers"])
+        return local
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(model_path).num_hidden_layers
+        return AutoConfig.from_pretrained(model_path)
     except (OSError, ValueError) as err:
         parser.error(f"--model_path: cannot read the config of {model_path!r} ({str(err).splitlines()[0]})")
+
+
+def _config_num_layers(parser, model_path: str) -> int:
+    config = _read_config(parser, model_path)
+    return int(config["num_hidden_layers"] if isinstance(config, dict) else config.num_hidden_layers)
 
 
 def run_single(parser, args, device, dtype) -> None:
@@ -332,6 +358,8 @@ def run_single(parser, args, device, dtype) -> None:
         parser.error(str(err))
     model, tokenizer = model_io.load_model_and_tokenizer(args.model_path, dtype, device, args.tokenizer)
     max_length = model_io.resolve_context_length(model, args.max_seq_len)
+    if has_layernorm_scaling(model):  # hooks would be re-attached by position on reload: fold each original depth in
+        fold_layernorm_scaling(model)
     remove_layer(model, args.layer_index)
     model.save_pretrained(save_path)
     tokenizer.save_pretrained(save_path)
@@ -349,6 +377,11 @@ def run_single(parser, args, device, dtype) -> None:
 def run_sweep(parser, args, device, dtype) -> list[dict]:
     if args.layer_index is not None or args.save_path is not None:
         parser.error("--sweep evaluates every layer in memory; drop --layer_index and --save_path")
+    output_dir = Path(args.output_dir)
+    earlier = [name for name in ("layer_removal.json", PARTIAL_SWEEP) if (output_dir / name).exists()]
+    if earlier and not args.overwrite:
+        parser.error(f"--output_dir {output_dir} already holds a sweep ({earlier[0]}); pass --overwrite or choose "
+                     "another folder")
     if args.tasks is None:
         online = model_io.hub_is_reachable()
         args.tasks = "mmlu" if online else lm_eval_tasks.HELDOUT_PERPLEXITY_TASK
@@ -361,6 +394,12 @@ def run_sweep(parser, args, device, dtype) -> list[dict]:
         layer_indices = None if args.layers is None else [int(i) for i in args.layers.split(",") if i.strip()]
     except ValueError:
         parser.error(f"--layers: {args.layers!r} is not a comma-separated list of integers")
+    if layer_indices is not None and (not layer_indices or len(set(layer_indices)) != len(layer_indices)):
+        parser.error(f"--layers: {args.layers!r} must name at least one layer, each once")
+    if args.limit is not None and not args.limit > 0:
+        parser.error(f"--limit must be positive (a count, or a fraction below 1), got {args.limit:g}")
+    if args.task_max_documents is not None and args.task_max_documents < 1:
+        parser.error(f"--task_max_documents must be at least 1, got {args.task_max_documents}")
     num_layers = _config_num_layers(parser, args.model_path)
     for index in layer_indices or []:
         try:
@@ -370,10 +409,18 @@ def run_sweep(parser, args, device, dtype) -> list[dict]:
 
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
     with tempfile.TemporaryDirectory(prefix="lm_eval_tasks_") as task_dir:
-        heldout_options = {"text_file": args.task_text_file, "max_documents": args.task_max_documents}
+        options = {lm_eval_tasks.HELDOUT_PERPLEXITY_TASK: {"text_file": args.task_text_file,
+                                                          "max_documents": args.task_max_documents}}
+        if lm_eval_tasks.NEXT_SENTENCE_TASK in tasks:  # its choices must fit the window the model is scored in
+            try:
+                window = model_io.resolve_context_length(_read_config(parser, args.model_path), args.max_seq_len,
+                                                         log=lambda *_: None)
+            except ValueError as err:
+                parser.error(str(err))
+            options[lm_eval_tasks.NEXT_SENTENCE_TASK] = {
+                "tokenizer": model_io.load_tokenizer(args.model_path, args.tokenizer), "max_choice_tokens": window - 1}
         try:
-            include_paths = lm_eval_tasks.build_local_tasks(
-                tasks, task_dir, {lm_eval_tasks.HELDOUT_PERPLEXITY_TASK: heldout_options})
+            include_paths = lm_eval_tasks.build_local_tasks(tasks, task_dir, options)
         except ValueError as err:
             parser.error(f"--task_text_file: {err}")
         # Indexing lm-eval's own task tree takes seconds: only when a task is not one of ours.
@@ -389,16 +436,17 @@ def run_sweep(parser, args, device, dtype) -> list[dict]:
                 model_io.bad_input(parser, str(err))
         model, tokenizer = model_io.load_model_and_tokenizer(args.model_path, dtype, device, args.tokenizer)
         max_length = model_io.resolve_context_length(model, args.max_seq_len)
+        metadata = dict(model_path=args.model_path, tasks=tasks, limit=args.limit, num_layers=num_layers,
+                        max_seq_len=max_length,
+                        drop="performance lost when the layer is removed (positive = worse)")
         try:
             rows = sweep(model, tokenizer, tasks, manager, max_length, metric=args.metric,
                          batch_size=args.eval_batch_size, limit=limit, bootstrap_iters=args.bootstrap_iters,
-                         layer_indices=layer_indices, per_document=args.per_document)
+                         layer_indices=layer_indices, per_document=args.per_document,
+                         on_rows=lambda rows: save_partial_sweep(rows, output_dir, metadata))
         except ValueError as err:
             parser.error(str(err))
-    metadata = dict(model_path=args.model_path, tasks=tasks, limit=args.limit, num_layers=num_layers,
-                    max_seq_len=max_length,
-                    drop="performance lost when the layer is removed (positive = worse)")
-    for path in save_sweep(rows, Path(args.output_dir), metadata):
+    for path in save_sweep(rows, output_dir, metadata):
         print(f"wrote {path}")
     return rows
 

@@ -684,7 +684,8 @@ class TrainStream:
                 rows, cursor = [], None
                 for tokens, cursor in documents:
                     if len(tokens) < 2:  # an empty document: EOS alone, nothing to predict; its row would be padding
-                        skipped_from_epoch = self._epoch_of(cursor) if skipped_from_epoch is None else skipped_from_epoch
+                        if skipped_from_epoch is None:
+                            skipped_from_epoch = self._epoch_of(cursor)
                         if self._epoch_of(cursor) >= skipped_from_epoch + 2:  # a whole epoch without a target
                             raise ValueError("no training document holds a target token: every document is empty "
                                              "(--dataset / --dataset_path)")

@@ -98,10 +98,10 @@ def split_sentences(text: str, min_words: int = 4) -> list[str]:
 
 
 def next_sentence_items(texts: list[str], num_examples: int, num_choices: int = 4, context_sentences: int = 3,
-                        seed: int = 0) -> list[dict]:
+                        seed: int = 0, fits: Callable[[str], bool] | None = None) -> list[dict]:
     """"Which sentence continues this passage?" items: up to ``context_sentences`` consecutive sentences of a text,
     the sentence that follows them, and ``num_choices - 1`` distractor sentences from other texts, shuffled.
-    Deterministic for a given seed."""
+    Only sentences for which ``fits`` is true (default: all) become choices. Deterministic for a given seed."""
     import collections
     import random
 
@@ -109,14 +109,16 @@ def next_sentence_items(texts: list[str], num_examples: int, num_choices: int = 
         raise ValueError(f"num_choices must be at least 2, got {num_choices}")
     rng = random.Random(seed)
     sentences_by_text = [split_sentences(text) for text in texts]
-    positions = [(t, i) for t, sentences in enumerate(sentences_by_text) for i in range(1, len(sentences))]
-    if not positions or sum(1 for sentences in sentences_by_text if sentences) < num_choices:
+    choices_by_text = [[s for s in sentences if fits(s)] if fits else sentences for sentences in sentences_by_text]
+    positions = [(t, i) for t, sentences in enumerate(sentences_by_text) for i in range(1, len(sentences))
+                 if fits is None or fits(sentences[i])]
+    if not positions or sum(1 for sentences in choices_by_text if sentences) < num_choices:
         raise ValueError(f"too few multi-sentence passages to build {num_choices}-way next-sentence items")
     rng.shuffle(positions)
     # Distinct sentences outside text t = all distinct sentences but those found in no other text.
-    texts_holding = collections.Counter(s for sentences in sentences_by_text for s in set(sentences))
+    texts_holding = collections.Counter(s for sentences in choices_by_text for s in set(sentences))
     outside_count = [len(texts_holding) - sum(1 for s in set(sentences) if texts_holding[s] == 1)
-                     for sentences in sentences_by_text]
+                     for sentences in choices_by_text]
     items = []
     for text_index, position in positions[:num_examples]:
         sentences = sentences_by_text[text_index]
@@ -126,9 +128,9 @@ def next_sentence_items(texts: list[str], num_examples: int, num_choices: int = 
             raise ValueError(f"too few distinct sentences outside text {text_index} for {num_choices}-way items")
         distractors = set()
         while len(distractors) < num_choices - 1:
-            other = rng.randrange(len(sentences_by_text))
-            if other != text_index and sentences_by_text[other]:
-                candidate = rng.choice(sentences_by_text[other])
+            other = rng.randrange(len(choices_by_text))
+            if other != text_index and choices_by_text[other]:
+                candidate = rng.choice(choices_by_text[other])
                 if candidate != answer:
                     distractors.add(candidate)
         choices = [answer] + sorted(distractors)
@@ -139,12 +141,23 @@ def next_sentence_items(texts: list[str], num_examples: int, num_choices: int = 
 
 
 def build_next_sentence_task(output_dir: str | Path, text_file: str | Path | None = None, num_examples: int = 500,
-                             num_choices: int = 4, seed: int = 0, task_name: str = NEXT_SENTENCE_TASK) -> Path:
+                             num_choices: int = 4, seed: int = 0, task_name: str = NEXT_SENTENCE_TASK,
+                             tokenizer=None, max_choice_tokens: int | None = None) -> Path:
     """Multiple choice: pick the sentence that continues a passage of the held-out novel (chance 1/num_choices).
 
     Scored by the log-likelihood of each choice after the context; reports acc and acc_norm (higher is better).
+    With ``tokenizer`` and ``max_choice_tokens`` (the evaluation window less one), only sentences that fit become
+    choices: lm-eval refuses a continuation longer than its window, and the held-out novel has sentences of over
+    200 tokens.
     """
-    items = next_sentence_items(read_texts(text_file or EMBEDDED_HELDOUT), num_examples, num_choices, seed=seed)
+    fits = None
+    if max_choice_tokens is not None:
+        if tokenizer is None:
+            raise ValueError("max_choice_tokens needs the tokenizer that will score the choices")
+        def fits(sentence: str) -> bool:  # lm-eval scores " " + choice after the context
+            return len(tokenizer.encode(" " + sentence, add_special_tokens=False)) <= max_choice_tokens
+    items = next_sentence_items(read_texts(text_file or EMBEDDED_HELDOUT), num_examples, num_choices, seed=seed,
+                                fits=fits)
     task_config = {
         "output_type": "multiple_choice",
         "test_split": "test",

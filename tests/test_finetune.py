@@ -202,3 +202,43 @@ def test_next_sentence_items():
     with pytest.raises(ValueError, match="too few distinct sentences"):
         next_sentence_items([passages[0], "The same four words.", "The same four words."], num_examples=5,
                             num_choices=3)
+
+
+def test_next_sentence_choices_fit_the_window_they_are_scored_in(tmp_path, tokenizer):
+    """The held-out novel has sentences of over 200 tokens; lm-eval refuses a choice longer than its window, so a
+    model trained at 128 tokens could not be scored until choices were limited to the window."""
+    from peft_pretraining.lm_eval_tasks import build_next_sentence_task
+
+    def longest_choice(folder):
+        items = [json.loads(line) for line in next(folder.glob("*.jsonl")).read_text().splitlines()]
+        return len(items), max(len(tokenizer.encode(" " + c, add_special_tokens=False))
+                               for item in items for c in item["choices"])
+
+    _, unlimited = longest_choice(build_next_sentence_task(tmp_path / "all"))
+    count, limited = longest_choice(build_next_sentence_task(tmp_path / "fit", tokenizer=tokenizer,
+                                                             max_choice_tokens=127))
+    assert unlimited > 127 >= limited and count == 500
+
+
+def test_offline_auto_tasks_are_decided_by_probing_the_hub(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(finetune, "hub_is_reachable", lambda: False)
+    parser = finetune.build_parser()
+    args = parser.parse_args(["--model_path", "unused", "--eval_only", "--eval_tasks", "auto",
+                              "--output_dir", "unused_output"])
+    finetune.check_args(args, parser)
+    assert args.eval_tasks == [NEXT_SENTENCE_TASK]
+
+
+def test_overwrite_replaces_the_earlier_run(tmp_path, hf_llama_dir, instruction_file):
+    out = tmp_path / "run"
+    argv = ["--model_path", hf_llama_dir, "--tokenizer", TOKENIZER, "--dataset", instruction_file, "--finetune",
+            "full", "--max_steps", "3", "--batch_size", "4", "--micro_batch_size", "4", "--eval_tasks", "none",
+            "--output_dir", str(out)]
+    finetune.run(argv)
+    (out / "results.json").write_text("{}")  # as an earlier run with evaluation would have left
+    finetune.run([*argv, "--overwrite"])
+    assert len((out / "train_metrics.jsonl").read_text().splitlines()) == 3
+    assert not (out / "results.json").exists()

@@ -217,3 +217,78 @@ def test_sweep_per_document_values_add_up_to_the_reported_perplexity(tmp_path):
     assert rows[0]["documents"] != rows[1]["documents"]
     with (out / "layer_removal.csv").open() as handle:
         assert "documents" not in next(csv.DictReader(handle))
+
+
+def test_a_second_sweep_into_the_same_folder_is_refused_and_a_killed_sweep_keeps_its_rows(tmp_path, monkeypatch,
+                                                                                          capsys):
+    import layer_remove
+
+    model_dir = save_with_tokenizer(tiny_ours("lns", num_layers=2), tmp_path / "model")
+    text = write_jsonl(tmp_path / "heldout.jsonl", [document[:300] for document in heldout_documents(2)])
+    out = tmp_path / "sweep"
+    argv = ["--model_path", str(model_dir), "--sweep", "--task_text_file", str(text), "--eval_batch_size", "2",
+            "--output_dir", str(out)]
+    real_evaluate, calls = layer_remove.evaluate, []
+
+    def evaluate_then_die(*args, **kwargs):  # the baseline and layer 0 finish; the run dies during layer 1
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(layer_remove, "evaluate", evaluate_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        main(argv)
+    partial = json.loads((out / layer_remove.PARTIAL_SWEEP).read_text())
+    assert [row["removed_layer"] for row in partial["rows"]] == [None, 0] and partial["complete"] is False
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and "--output_dir" in capsys.readouterr().err
+    monkeypatch.setattr(layer_remove, "evaluate", real_evaluate)
+    main([*argv, "--overwrite"])
+    assert not (out / layer_remove.PARTIAL_SWEEP).exists()
+    assert len(json.loads((out / "layer_removal.json").read_text())["rows"]) == 3
+
+
+@pytest.mark.parametrize("extra, flag", [(["--layers", "1,1"], "--layers"), (["--layers", ","], "--layers"),
+                                         (["--limit", "0"], "--limit"), (["--task_max_documents", "-1"],
+                                                                         "--task_max_documents")])
+def test_bad_sweep_flags_are_one_line_errors(extra, flag, tmp_path, capsys):
+    model_dir = save_with_tokenizer(tiny_hf_llama(num_layers=2), tmp_path / "model")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model_path", str(model_dir), "--sweep", "--tasks", "heldout_novel_ppl",
+              "--output_dir", str(tmp_path / "out"), *extra])
+    assert exit_info.value.code == 2 and flag in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_saved_with_lns_hooks_is_analysed_and_pruned_with_them(tmp_path):
+    """finetune.py's intermediate checkpoints keep the hooks unfolded and say so in their config."""
+    from peft_pretraining.layernorm_scaling import apply_layernorm_scaling
+
+    hooked = apply_layernorm_scaling(tiny_hf_llama(num_layers=3))
+    model_dir = save_with_tokenizer(hooked, tmp_path / "model")
+    torch.testing.assert_close(logits(model_io.load_model(str(model_dir))), logits(hooked), rtol=0, atol=1e-6)
+    main(["--model_path", str(model_dir), "--layer_index", "1", "--save_path", str(tmp_path / "pruned")])
+    pruned = AutoModelForCausalLM.from_pretrained(tmp_path / "pruned").eval()
+    with layer_removed(hooked, 1):
+        torch.testing.assert_close(logits(pruned), logits(hooked), rtol=0, atol=1e-5)
+
+
+def test_the_tokenizer_of_our_checkpoint_loads_without_a_remote_code_prompt(tmp_path):
+    """In a fresh process (our model class not registered), our config's auto_map made transformers ask on the
+    terminal whether to run the folder's code, and wait 15 s."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model_dir = save_with_tokenizer(tiny_ours("lns", num_layers=2), tmp_path / "model")
+    script = ("import builtins, sys\n"
+              f"sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})\n"
+              "def prompt(*_):\n    print('PROMPTED', file=sys.stderr)\n    raise EOFError\n"
+              "builtins.input = prompt\n"
+              "from utils import model_io\n"
+              f"print(model_io.load_tokenizer({str(model_dir)!r}).name_or_path)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "PROMPTED" not in result.stderr, result.stderr[-2000:]
+    assert result.stdout.strip() == str(model_dir)  # its own tokenizer, not the repository's fallback

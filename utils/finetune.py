@@ -21,6 +21,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -37,7 +38,6 @@ from peft_pretraining.layernorm_scaling import (  # noqa: E402
     apply_layernorm_scaling,
     fold_layernorm_scaling,
     has_layernorm_scaling,
-    reapply_layernorm_scaling_from_config,
 )
 from peft_pretraining.lm_eval_tasks import (  # noqa: E402
     EMBEDDED_HELDOUT,
@@ -58,18 +58,14 @@ from peft_pretraining.training_utils import (  # noqa: E402
     plot_loss_curve,
     seed_everything,
 )
-from utils.model_io import bad_input, load_model_and_tokenizer, resolve_context_length, resolve_device  # noqa: E402
+from utils.model_io import (bad_input, hub_is_reachable, load_model_and_tokenizer, resolve_context_length,  # noqa: E402
+                            resolve_device)
 
 # The paper's SFT evaluation (lm-eval task names); "siqa" is lm-eval's social_iqa.
 PAPER_TASKS = ("boolq", "piqa", "social_iqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
 TASK_ALIASES = {"siqa": "social_iqa", "arc_e": "arc_easy", "arc_c": "arc_challenge", "obqa": "openbookqa"}
 DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,up_proj,down_proj"
 ARGS_FILE = "finetune_args.json"
-
-
-def hub_offline() -> bool:
-    return any(os.environ.get(name, "").lower() in ("1", "true", "yes")
-               for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,11 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_tasks(spec: str) -> list[str]:
+def resolve_tasks(spec: str, offline: bool) -> list[str]:
     if spec == "none":
         return []
     if spec == "auto":
-        spec = NEXT_SENTENCE_TASK if hub_offline() else "paper,mmlu"
+        spec = NEXT_SENTENCE_TASK if offline else "paper,mmlu"
     tasks = []
     for name in (part.strip() for part in spec.split(",") if part.strip()):
         expanded = PAPER_TASKS if name == "paper" else [TASK_ALIASES.get(name, name)]
@@ -173,10 +169,13 @@ def check_args(args, parser: argparse.ArgumentParser):
     args.lora_target_modules = [name.strip() for name in args.lora_target_modules.split(",") if name.strip()]
     if args.finetune == "lora" and not args.lora_target_modules:
         parser.error("--lora_target_modules is empty")
-    args.eval_tasks = resolve_tasks(args.eval_tasks)
+    # Probed, not only read from the environment: a machine without network and without HF_HUB_OFFLINE would
+    # otherwise train first and fail at evaluation.
+    offline = args.eval_tasks != "none" and not hub_is_reachable()
+    args.eval_tasks = resolve_tasks(args.eval_tasks, offline)
     if NEXT_SENTENCE_TASK in args.eval_tasks and not os.path.isfile(args.mc_corpus):
         parser.error(f"--mc_corpus {args.mc_corpus}: no such file (needed by {NEXT_SENTENCE_TASK})")
-    if hub_offline():
+    if offline:
         hub_tasks = [task for task in args.eval_tasks if task not in LOCAL_TASK_BUILDERS]
         if hub_tasks:
             parser.error(f"--eval_tasks {','.join(hub_tasks)} need the hub, which is offline here; "
@@ -191,8 +190,6 @@ def check_args(args, parser: argparse.ArgumentParser):
 def prepare_model(args, parser, device):
     model, tokenizer = load_model_and_tokenizer(args.model_path, dtype=torch.float32, device=device,
                                                 tokenizer_path=args.tokenizer)
-    if reapply_layernorm_scaling_from_config(model):
-        print(f"[finetune] {args.model_path} was saved with LayerNorm Scaling hooks; re-applied them")
     if args.apply_lns:
         try:
             apply_layernorm_scaling(model)
@@ -355,12 +352,13 @@ def evaluate_tasks(model, tokenizer, args) -> dict:
     from lm_eval.tasks import TaskManager
 
     task_dir = Path(args.output_dir).resolve() / "lm_eval_tasks"
-    options = {NEXT_SENTENCE_TASK: {"text_file": args.mc_corpus, "num_examples": args.mc_examples, "seed": args.seed}}
+    max_length = resolve_context_length(model, args.max_seq_len)
+    options = {NEXT_SENTENCE_TASK: {"text_file": args.mc_corpus, "num_examples": args.mc_examples, "seed": args.seed,
+                                    "tokenizer": tokenizer, "max_choice_tokens": max_length - 1}}
     local_folders = [str(folder) for folder in build_local_tasks(args.eval_tasks, task_dir, options)]
     needs_builtin = any(task not in LOCAL_TASK_BUILDERS for task in args.eval_tasks)
     # Scanning lm-eval's own task tree takes seconds; skip it when every task is one of ours.
     task_manager = TaskManager(include_path=local_folders or None, include_defaults=needs_builtin)
-    max_length = resolve_context_length(model, args.max_seq_len)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=args.eval_batch_size, max_length=max_length)
     limit = int(args.eval_limit) if args.eval_limit and args.eval_limit >= 1 else args.eval_limit
     output = simple_evaluate(model=lm, tasks=list(args.eval_tasks), task_manager=task_manager, limit=limit,
@@ -422,6 +420,20 @@ def plot_results(scores: dict, png_path: Path, title: str):
 
 
 # ----------------------------------------------------------------------------- main
+PREVIOUS_RUN_FILES = (ARGS_FILE, "train_metrics.jsonl", "train_loss.png", "results.json", "results.csv", "results.png")
+PREVIOUS_RUN_FOLDERS = ("adapter", "model", "merged")
+
+
+def clear_previous_run(output: Path) -> None:
+    """--overwrite: remove what an earlier run wrote here (metrics would otherwise be appended to, and results or
+    weights of another configuration left beside the new ones). Other files in the folder are kept."""
+    for name in PREVIOUS_RUN_FILES:
+        (output / name).unlink(missing_ok=True)
+    for folder in [*(output / name for name in PREVIOUS_RUN_FOLDERS), *output.glob("checkpoint-*")]:
+        if folder.is_dir():
+            shutil.rmtree(folder)
+
+
 def run(argv=None) -> dict:
     """Everything main() does; returns the evaluated model, tokenizer and results (tests call this)."""
     parser = build_parser()
@@ -436,6 +448,8 @@ def run(argv=None) -> dict:
     model, tokenizer = prepare_model(args, parser, device)
     tokenized = None if args.eval_only else tokenize_training_data(dataset, tokenizer, args, parser)
     output = Path(args.output_dir)  # written only now, once every input has been read
+    if args.overwrite:
+        clear_previous_run(output)
     output.mkdir(parents=True, exist_ok=True)
     (output / ARGS_FILE).write_text(json.dumps(vars(args), indent=2, default=str))
     model_label = args.run_name or f"{Path(args.model_path).name}{'+lns' if args.apply_lns else ''}"

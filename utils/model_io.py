@@ -132,6 +132,12 @@ def load_model(model_path: str, dtype: torch.dtype | str = torch.float32, device
     except (OSError, ValueError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise SystemExit(f"--model_path: cannot load {model_path!r}: {first_line}") from None
+    from peft_pretraining.layernorm_scaling import reapply_layernorm_scaling_from_config
+
+    # A checkpoint saved with LNS hooks unfolded (finetune.py's intermediate checkpoints) says so in its config;
+    # without the hooks every tool would measure the model without LNS.
+    if reapply_layernorm_scaling_from_config(model):
+        print(f"[model_io] {model_path} was saved with LayerNorm Scaling hooks; re-applied them", file=sys.stderr)
     return model.to(device).eval()
 
 
@@ -149,7 +155,9 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
     errors = []
     for candidate in candidates:
         try:
-            tokenizer = AutoTokenizer.from_pretrained(candidate)
+            # Our checkpoints' auto_map names the model's code, never a tokenizer's: without this, transformers
+            # asks "run the custom code?" on a terminal and waits.
+            tokenizer = AutoTokenizer.from_pretrained(candidate, trust_remote_code=False)
         except (OSError, ValueError, TypeError) as err:
             errors.append(f"{candidate}: {str(err).strip().splitlines()[0] if str(err).strip() else err!r}")
             continue
