@@ -171,7 +171,8 @@ def test_bad_flags_fail_with_the_flag_name(tmp_path, hf_llama_dir, instruction_f
               "--eval_tasks", "none", "--output_dir", str(tmp_path / "bad")]
     for extra, flag in [(["--lora_target_modules", "qkv_proj"], "--lora_target_modules"),
                         (["--batch_size", "6", "--micro_batch_size", "4"], "--batch_size"),
-                        (["--eval_tasks", "piqa"], "--eval_tasks")]:  # the hub is offline in tests
+                        (["--eval_tasks", "piqa"], "--eval_tasks"),  # the hub is offline in tests
+                        (["--eval_limit", "0"], "--eval_limit"), (["--eval_limit", "1.5"], "--eval_limit")]:
         with pytest.raises(SystemExit):
             finetune.run(common + extra)  # argparse: the later --eval_tasks wins
         assert flag in capsys.readouterr().err

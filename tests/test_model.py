@@ -300,6 +300,14 @@ def test_export_cli(tmp_path):
     torch.testing.assert_close(loaded(tokens).logits, model(tokens).logits, rtol=0, atol=1e-5)
     again = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
     assert again.returncode != 0 and "--out" in again.stderr.strip().splitlines()[-1]
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "no_weights").mkdir()
+    (tmp_path / "no_weights" / "config.json").write_text((tmp_path / "ckpt" / "config.json").read_text())
+    for flag, value, out in (("--out", "a_file", "a_file"), ("--checkpoint", "no_weights", "hf2")):
+        bad = [sys.executable, str(REPO / "utils" / "export_hf.py"), "--checkpoint",
+               str(tmp_path / ("ckpt" if flag == "--out" else value)), "--out", str(tmp_path / out)]
+        result = subprocess.run(bad, cwd=tmp_path, capture_output=True, text=True)
+        assert result.returncode == 2 and flag in result.stderr.strip().splitlines()[-1], result.stderr[-500:]
 
 
 def test_activation_checkpointing_gives_the_same_gradients():

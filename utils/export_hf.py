@@ -35,17 +35,22 @@ def main(argv=None):
     if not (checkpoint / "config.json").is_file():
         parser.error(f"--checkpoint {checkpoint}: no config.json there")
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        parser.error(f"--out {out}: exists and is not a directory")
     if out.exists() and any(out.iterdir()):
         parser.error(f"--out {out}: directory exists and is not empty; refusing to overwrite")
 
-    model = LlamaForCausalLM.from_pretrained(checkpoint)
+    try:
+        model = LlamaForCausalLM.from_pretrained(checkpoint)
+    except (OSError, ValueError) as error:  # e.g. a config without weights beside it
+        parser.error(f"--checkpoint {checkpoint}: cannot load it ({str(error).strip().splitlines()[0]})")
     try:
         hf_model = export_to_hf_llama(model)
     except ValueError as error:
         parser.error(f"--checkpoint {checkpoint}: {error}")
     hf_model.save_pretrained(out)
     if (checkpoint / "tokenizer_config.json").is_file():
-        AutoTokenizer.from_pretrained(checkpoint).save_pretrained(out)
+        AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=False).save_pretrained(out)
     print(f"exported {checkpoint} -> {out} (stock transformers LlamaForCausalLM)")
 
 

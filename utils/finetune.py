@@ -160,6 +160,9 @@ def check_args(args, parser: argparse.ArgumentParser):
         parser.error(f"--max_steps must be positive, got {args.max_steps}")
     if args.max_seq_len is not None and args.max_seq_len < 1:
         parser.error(f"--max_seq_len must be positive, got {args.max_seq_len}")
+    if args.eval_limit is not None and not (args.eval_limit > 0 and (args.eval_limit < 1
+                                                                     or float(args.eval_limit).is_integer())):
+        parser.error(f"--eval_limit must be a whole count or a fraction in (0, 1), got {args.eval_limit:g}")
     if args.num_epochs <= 0:
         parser.error(f"--num_epochs must be positive, got {args.num_epochs}")
     if not 0.0 <= args.lora_dropout < 1.0:
