@@ -285,7 +285,8 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
     update_step, tokens_seen = 0, 0
     if sharded:
         try:
-            checkpointing.load_sharded(args.continue_from, train_model, optimizer)
+            with training_utils.keeping_adam_kernel(optimizer):
+                checkpointing.load_sharded(args.continue_from, train_model, optimizer)
         except checkpointing.ShardedLoadError as err:
             raise training_utils.CheckpointError(str(err)) from err
     elif resume_state is not None:

@@ -29,6 +29,7 @@ import io
 import json
 import logging
 import math
+import os
 import pathlib
 import re
 import shutil
@@ -199,7 +200,10 @@ def load_tokenizer(name_or_path: str):
             train_tokenizer(read_jsonl_texts(embedded_split_path("train")), staging)
             try:
                 staging.rename(TOKENIZER_DIR)
-            except OSError:  # another rank's folder is in place (or a partial old one: left for a person to see)
+            except OSError:  # another rank's folder is in place, or a partial old one, which the new files complete
+                if not (TOKENIZER_DIR / "tokenizer.json").exists():
+                    for path in staging.iterdir():
+                        os.replace(path, TOKENIZER_DIR / path.name)
                 shutil.rmtree(staging, ignore_errors=True)
         tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
     else:
@@ -672,25 +676,28 @@ class TrainStream:
         position["token_offset"] = token_offset
         return position
 
-    def _epoch_of(self, cursor) -> int:
-        return cursor[2] if self.lane_reader else cursor[0]
+    def _lane_and_epoch(self, cursor) -> tuple[int, int]:
+        return (cursor[0], cursor[2]) if self.lane_reader else (0, cursor[0])
 
     def _generate(self):
         T, B = self.max_length, self.batch_size
         documents = self._documents()
         if not self.packing:
-            skipped_from_epoch = None  # the epoch where the current run of documents without a target began
+            # Per lane (each with its own epochs): the epoch where its current run of empty documents began.
+            empty_since, lane_epoch, lanes = {}, {}, self.source.num_lanes if self.lane_reader else 1
             while True:
                 rows, cursor = [], None
                 for tokens, cursor in documents:
+                    lane, lane_epoch[lane] = self._lane_and_epoch(cursor)
                     if len(tokens) < 2:  # an empty document: EOS alone, nothing to predict; its row would be padding
-                        if skipped_from_epoch is None:
-                            skipped_from_epoch = self._epoch_of(cursor)
-                        if self._epoch_of(cursor) >= skipped_from_epoch + 2:  # a whole epoch without a target
+                        empty_since.setdefault(lane, lane_epoch[lane])
+                        # Every lane has read a whole epoch of empty documents: nothing will ever fill a row.
+                        if len(empty_since) == lanes and all(lane_epoch[key] >= start + 2
+                                                             for key, start in empty_since.items()):
                             raise ValueError("no training document holds a target token: every document is empty "
                                              "(--dataset / --dataset_path)")
                         continue
-                    skipped_from_epoch = None
+                    empty_since.pop(lane, None)
                     rows.append(tokens)
                     if len(rows) == B:
                         break

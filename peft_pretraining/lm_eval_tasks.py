@@ -109,9 +109,11 @@ def next_sentence_items(texts: list[str], num_examples: int, num_choices: int = 
         raise ValueError(f"num_choices must be at least 2, got {num_choices}")
     rng = random.Random(seed)
     sentences_by_text = [split_sentences(text) for text in texts]
-    choices_by_text = [[s for s in sentences if fits(s)] if fits else sentences for sentences in sentences_by_text]
-    positions = [(t, i) for t, sentences in enumerate(sentences_by_text) for i in range(1, len(sentences))
-                 if fits is None or fits(sentences[i])]
+    # Sentences that do not fit are skipped where they come up, so the draws, and the items, stay those of the
+    # unfiltered task whenever no sentence had to be skipped.
+    choices_by_text = [[s for s in sentences if fits is None or fits(s)] for sentences in sentences_by_text]
+    fitting = {s for sentences in choices_by_text for s in sentences}
+    positions = [(t, i) for t, sentences in enumerate(sentences_by_text) for i in range(1, len(sentences))]
     if not positions or sum(1 for sentences in choices_by_text if sentences) < num_choices:
         raise ValueError(f"too few multi-sentence passages to build {num_choices}-way next-sentence items")
     rng.shuffle(positions)
@@ -120,18 +122,22 @@ def next_sentence_items(texts: list[str], num_examples: int, num_choices: int = 
     outside_count = [len(texts_holding) - sum(1 for s in set(sentences) if texts_holding[s] == 1)
                      for sentences in choices_by_text]
     items = []
-    for text_index, position in positions[:num_examples]:
+    for text_index, position in positions:
+        if len(items) == num_examples:
+            break
         sentences = sentences_by_text[text_index]
         answer = sentences[position]
+        if answer not in fitting:
+            continue
         answer_elsewhere = texts_holding[answer] > 1  # then the pool below excludes it
         if outside_count[text_index] - answer_elsewhere < num_choices - 1:  # the draw below would never end
             raise ValueError(f"too few distinct sentences outside text {text_index} for {num_choices}-way items")
         distractors = set()
         while len(distractors) < num_choices - 1:
-            other = rng.randrange(len(choices_by_text))
+            other = rng.randrange(len(sentences_by_text))
             if other != text_index and choices_by_text[other]:
-                candidate = rng.choice(choices_by_text[other])
-                if candidate != answer:
+                candidate = rng.choice(sentences_by_text[other])
+                if candidate != answer and candidate in fitting:
                     distractors.add(candidate)
         choices = [answer] + sorted(distractors)
         rng.shuffle(choices)

@@ -4,6 +4,7 @@ Optimizer, learning-rate schedule, token-weighted evaluation, gradient norm, RNG
 metrics file, loss-curve plot and wandb set-up. Distributed code here only uses collectives that are no-ops for a
 single process, so every function works with and without torchrun.
 """
+import contextlib
 import ctypes
 import glob
 import json
@@ -421,15 +422,28 @@ def load_training_state(checkpoint: str) -> dict:
     return state
 
 
-def load_optimizer_state(model, optimizer, optimizer_state: dict):
-    # The saved groups replace the optimizer's own, kernel choice included: keep this run's (--adam_kernel).
+@contextlib.contextmanager
+def keeping_adam_kernel(optimizer):
+    """Around loading a checkpoint's optimizer state: the saved param groups replace the optimizer's own, kernel
+    choice included, and torch places each `step` counter for the saved kernel. Keep this run's (--adam_kernel): the
+    fused kernel wants `step` on the parameters' device, foreach on the CPU."""
     kernels = [{key: group[key] for key in ("fused", "foreach") if key in group} for group in optimizer.param_groups]
+    yield
+    for group, kernel in zip(optimizer.param_groups, kernels, strict=True):
+        group.update(kernel)
+        for param in group["params"]:
+            step = optimizer.state.get(param, {}).get("step")
+            if torch.is_tensor(step):
+                on_device = group.get("fused") or group.get("capturable")
+                optimizer.state[param]["step"] = step.to(param.device if on_device else "cpu")
+
+
+def load_optimizer_state(model, optimizer, optimizer_state: dict):
     for group in optimizer.param_groups:  # the saved groups carry the scheduler's key; build_scheduler resets it
         group.setdefault("initial_lr", group["lr"])
     options = StateDictOptions(full_state_dict=True)
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=optimizer_state, options=options)
-    for group, kernel in zip(optimizer.param_groups, kernels, strict=True):
-        group.update(kernel)
+    with keeping_adam_kernel(optimizer):
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=optimizer_state, options=options)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """Checkpoint helpers in one process: DCP sharded state round trip and refusal, mmap weight copy, pruning lives in
 test_training.py. The two-rank FSDP2 save/resume runs in test_distributed.py."""
+import contextlib
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -70,3 +72,24 @@ def test_weights_are_copied_from_safetensors_and_mismatches_refused(tmp_path):
     save_file({"0.weight": torch.zeros(8, 5)}, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="0.weight"):
         checkpointing.copy_safetensors_into(other, str(tmp_path))
+
+
+def test_a_sharded_resume_keeps_this_runs_adam_kernel(tmp_path):
+    """DCP's set_state_dict replaces the param groups with the saved ones, kernel flags included; the trainer loads
+    inside keeping_adam_kernel, as it does for the full state dict."""
+    from peft_pretraining.training_utils import build_optimizer, keeping_adam_kernel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    fused = build_optimizer(model.parameters(), "adam", 1e-2, 0.0, "fused")
+    model(torch.randn(3, 4)).sum().backward()
+    fused.step()
+    fused.zero_grad(set_to_none=True)  # as at a resume: DCP sets up an empty optimizer's state only without grads
+    save_sharded_alone(tmp_path, model, fused)
+    for keep in (False, True):
+        foreach = build_optimizer(model.parameters(), "adam", 1e-2, 0.0, "foreach")
+        with keeping_adam_kernel(foreach) if keep else contextlib.nullcontext():
+            checkpointing.load_sharded(str(tmp_path), model, foreach)
+        group = foreach.param_groups[0]
+        assert bool(group["foreach"]) == keep and bool(group["fused"]) != keep  # without it, the checkpoint's kernel
+        assert foreach.state[next(model.parameters())]["step"].device.type == "cpu"

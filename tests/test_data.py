@@ -68,11 +68,16 @@ def test_embedded_tokenizer_ids_and_round_trip(tokenizer):
     assert direct.pad_token == "<pad>" and direct.eos_token == "</s>"
 
 
-def test_tokenizer_is_rebuilt_when_missing(tmp_path, monkeypatch, tokenizer):
+@pytest.mark.parametrize("partial", [False, True], ids=["missing", "partial_folder"])
+def test_tokenizer_is_rebuilt_when_missing(tmp_path, monkeypatch, tokenizer, partial):
     monkeypatch.setattr(data, "TOKENIZER_DIR", tmp_path / "tokenizer")
+    if partial:  # tokenizer.json lost, the rest still there: the rebuilt files complete the folder
+        (tmp_path / "tokenizer").mkdir()
+        (tmp_path / "tokenizer" / "tokenizer_config.json").write_text("{}")
     rebuilt = data.load_tokenizer(data.EMBEDDED)
     assert (tmp_path / "tokenizer" / "tokenizer.json").exists()
     assert rebuilt.get_vocab() == tokenizer.get_vocab()
+    assert not list(tmp_path.glob(".tokenizer-*"))  # no staging folder left behind
 
 
 def test_vocab_check_and_split_names(tokenizer):
@@ -445,7 +450,14 @@ def test_empty_documents_get_no_row_and_a_corpus_of_them_is_an_error(tmp_path, t
                                                          eval_tokens=40, rank=0, world_size=1)
                  for row in batch["attention_mask"]]
     assert all(row.sum() >= 2 for row in eval_rows)
+    # Two files are two lanes, each with its own epochs: an all-empty small file must not stop a corpus whose other
+    # file has documents, however fast the small one cycles; two all-empty files must.
+    write_jsonl(tmp_path / "mixed" / "a.jsonl", ["" if i % 3 == 0 else f"Emma {i} walked." for i in range(300)])
+    write_jsonl(tmp_path / "mixed" / "b.jsonl", [""] * 2)
+    write_jsonl(tmp_path / "mixed" / "val.jsonl", sentences(2, "val"))
+    assert len(take(stream(tokenizer, dataset="local", dataset_path=str(tmp_path / "mixed"), batch_size=8), 60)) == 60
     write_jsonl(tmp_path / "empty" / "train.jsonl", [""] * 5)
+    write_jsonl(tmp_path / "empty" / "more.jsonl", [""] * 2)
     write_jsonl(tmp_path / "empty" / "validation.jsonl", [""] * 3)
     with pytest.raises(ValueError, match="no training document holds a target token"):
         take(stream(tokenizer, dataset="local", dataset_path=str(tmp_path / "empty"), batch_size=2), 1)

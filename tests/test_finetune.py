@@ -215,17 +215,21 @@ def test_next_sentence_choices_fit_the_window_they_are_scored_in(tmp_path, token
         return len(items), max(len(tokenizer.encode(" " + c, add_special_tokens=False))
                                for item in items for c in item["choices"])
 
-    _, unlimited = longest_choice(build_next_sentence_task(tmp_path / "all"))
+    unfiltered = build_next_sentence_task(tmp_path / "all")
+    _, unlimited = longest_choice(unfiltered)
     count, limited = longest_choice(build_next_sentence_task(tmp_path / "fit", tokenizer=tokenizer,
                                                              max_choice_tokens=127))
     assert unlimited > 127 >= limited and count == 500
+    # A window every chosen sentence already fits gives the unfiltered items, draw for draw.
+    wide = build_next_sentence_task(tmp_path / "wide", tokenizer=tokenizer, max_choice_tokens=unlimited)
+    assert next(wide.glob("*.jsonl")).read_text() == next(unfiltered.glob("*.jsonl")).read_text()
 
 
 def test_offline_auto_tasks_are_decided_by_probing_the_hub(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
-    monkeypatch.setattr(finetune, "hub_is_reachable", lambda: False)
+    monkeypatch.setattr(finetune, "hub_is_reachable", lambda: False)  # no network, no flag set
     parser = finetune.build_parser()
     args = parser.parse_args(["--model_path", "unused", "--eval_only", "--eval_tasks", "auto",
                               "--output_dir", "unused_output"])
@@ -243,3 +247,39 @@ def test_overwrite_replaces_the_earlier_run(tmp_path, hf_llama_dir, instruction_
     finetune.run([*argv, "--overwrite"])
     assert len((out / "train_metrics.jsonl").read_text().splitlines()) == 3
     assert not (out / "results.json").exists()
+    # Re-evaluating the trained model into its own folder must not delete it.
+    finetune.run(["--model_path", str(out / "model"), "--tokenizer", TOKENIZER, "--eval_only", "--eval_tasks",
+                  NEXT_SENTENCE_TASK, "--mc_examples", "8", "--output_dir", str(out), "--overwrite"])
+    assert (out / "model" / "config.json").is_file() and (out / "train_metrics.jsonl").is_file()
+    assert (out / "results.json").is_file()
+
+
+@pytest.mark.parametrize("flag", ["HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"])
+def test_each_offline_flag_alone_means_the_hub_is_not_used(flag, monkeypatch):
+    from utils import model_io
+
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(flag, "1")
+    monkeypatch.setattr(model_io.urllib.request, "urlopen", lambda *a, **k: None)  # as if the network answered
+    assert not model_io.hub_is_reachable()
+
+
+def test_export_of_a_checkpoint_saved_with_lns_hooks_folds_them(tmp_path, hf_llama_dir):
+    import subprocess
+    import sys
+
+    hooked = apply_layernorm_scaling(LlamaForCausalLM.from_pretrained(hf_llama_dir)).eval()
+    hooked.save_pretrained(tmp_path / "hooked")  # config says layernorm_scaling: true, gains unfolded
+    ours_config = ours.build_config("configs/llama_tiny.json", **_tiny_config_overrides())
+    ours_model = ours.LlamaForCausalLM(ours_config)
+    ours_model.load_state_dict(hooked.state_dict())
+    apply_layernorm_scaling(ours_model).save_pretrained(tmp_path / "ours_hooked")
+    result = subprocess.run([sys.executable, "utils/export_hf.py", "--checkpoint", str(tmp_path / "ours_hooked"),
+                             "--out", str(tmp_path / "exported")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
+    tokens = torch.randint(3, 8192, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(tokens).logits, hooked(tokens).logits, rtol=0, atol=1e-5)
+    assert "layernorm_scaling" not in json.loads((tmp_path / "exported" / "config.json").read_text())

@@ -17,6 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from transformers import AutoTokenizer  # noqa: E402
 
 from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
+from peft_pretraining.layernorm_scaling import (  # noqa: E402
+    fold_layernorm_scaling,
+    reapply_layernorm_scaling_from_config,
+)
 from peft_pretraining.modeling_llama import LlamaForCausalLM, export_to_hf_llama  # noqa: E402
 
 
@@ -44,6 +48,9 @@ def main(argv=None):
         model = LlamaForCausalLM.from_pretrained(checkpoint)
     except (OSError, ValueError) as error:  # e.g. a config without weights beside it
         parser.error(f"--checkpoint {checkpoint}: cannot load it ({str(error).strip().splitlines()[0]})")
+    # A checkpoint saved with LNS hooks unfolded (finetune.py's checkpoint-N/) says so in its config: fold them in.
+    if reapply_layernorm_scaling_from_config(model):
+        fold_layernorm_scaling(model)
     try:
         hf_model = export_to_hf_llama(model)
     except ValueError as error:

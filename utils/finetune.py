@@ -427,13 +427,20 @@ PREVIOUS_RUN_FILES = (ARGS_FILE, "train_metrics.jsonl", "train_loss.png", "resul
 PREVIOUS_RUN_FOLDERS = ("adapter", "model", "merged")
 
 
-def clear_previous_run(output: Path) -> None:
+def clear_previous_run(output: Path, args) -> None:
     """--overwrite: remove what an earlier run wrote here (metrics would otherwise be appended to, and results or
-    weights of another configuration left beside the new ones). Other files in the folder are kept."""
-    for name in PREVIOUS_RUN_FILES:
+    weights of another configuration left beside the new ones). With --eval_only only the results go: the weights
+    may be what is evaluated. A folder holding, or inside, --model_path or --tokenizer is never removed."""
+    results = ("results.json", "results.csv", "results.png")
+    for name in results if args.eval_only else PREVIOUS_RUN_FILES:
         (output / name).unlink(missing_ok=True)
+    if args.eval_only:
+        return
+    inputs = [Path(path).resolve() for path in (args.model_path, args.tokenizer) if path and Path(path).exists()]
     for folder in [*(output / name for name in PREVIOUS_RUN_FOLDERS), *output.glob("checkpoint-*")]:
-        if folder.is_dir():
+        resolved = folder.resolve()
+        if folder.is_dir() and not any(resolved == path or resolved in path.parents or path in resolved.parents
+                                       for path in inputs):
             shutil.rmtree(folder)
 
 
@@ -452,7 +459,7 @@ def run(argv=None) -> dict:
     tokenized = None if args.eval_only else tokenize_training_data(dataset, tokenizer, args, parser)
     output = Path(args.output_dir)  # written only now, once every input has been read
     if args.overwrite:
-        clear_previous_run(output)
+        clear_previous_run(output, args)
     output.mkdir(parents=True, exist_ok=True)
     (output / ARGS_FILE).write_text(json.dumps(vars(args), indent=2, default=str))
     model_label = args.run_name or f"{Path(args.model_path).name}{'+lns' if args.apply_lns else ''}"

@@ -306,7 +306,7 @@ def read_documents(path: str | os.PathLike) -> Iterator[str]:
 
 def hub_is_reachable(timeout_s: float = 3.0) -> bool:
     """False when the offline environment flags are set or huggingface.co does not answer within timeout_s."""
-    for flag in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+    for flag in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         if os.environ.get(flag, "").strip().lower() in ("1", "true", "yes", "on"):
             return False
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
