@@ -178,14 +178,16 @@ def pick_metric(scores: dict, task: str, metric: str | None) -> str:
 
 def sweep(model, tokenizer, tasks: list[str], manager, max_length: int, metric: str | None = None,
           batch_size: int = 8, limit=None, bootstrap_iters: int = 0,
-          layer_indices: list[int] | None = None, per_document: bool = False, on_rows=None) -> list[dict]:
+          layer_indices: list[int] | None = None, per_document: bool = False, on_rows=None,
+          done: dict | None = None) -> list[dict]:
     """Baseline plus one evaluation per removed layer; one row per (removed layer, task).
 
     ``drop`` is the performance lost by removing the layer (positive = worse), whatever the metric's direction:
     baseline - value when higher is better (accuracy), value - baseline when lower is better (perplexity).
     With ``per_document`` each row also holds ``documents``: the metric's value on each document (see
-    document_values), for intervals over documents. ``on_rows`` is called with the rows so far after each
-    evaluation (run_sweep writes them to disk, so that a killed sweep keeps what it measured).
+    document_values), for intervals over documents. ``on_rows(rows, higher_is_better)`` is called with the rows so
+    far after each evaluation (run_sweep writes them to disk, so that a killed sweep keeps what it measured);
+    ``done`` ({"rows", "higher_is_better"} from that file) resumes: its baseline is reused and its layers skipped.
     """
     num_layers = len(model_io.decoder_layers(model))
     layer_indices = list(range(num_layers)) if layer_indices is None else layer_indices
@@ -199,14 +201,24 @@ def sweep(model, tokenizer, tasks: list[str], manager, max_length: int, metric: 
             found["documents"] = documents[task][key.split(",")[0]]
         return found
 
-    baseline, baseline_documents = evaluate(model, tokenizer, tasks, manager, batch_size, limit, bootstrap_iters,
-                                            max_length, per_document)
-    metric_by_task = {task: pick_metric(baseline, task, metric) for task in tasks}
-    rows = [row(None, task, metric_by_task[task], baseline[task][metric_by_task[task]][0], 0.0, 0.0,
-                baseline_documents) for task in tasks]
+    if done is None:
+        baseline, baseline_documents = evaluate(model, tokenizer, tasks, manager, batch_size, limit,
+                                                bootstrap_iters, max_length, per_document)
+        metric_by_task = {task: pick_metric(baseline, task, metric) for task in tasks}
+        rows = [row(None, task, metric_by_task[task], baseline[task][metric_by_task[task]][0], 0.0, 0.0,
+                    baseline_documents) for task in tasks]
+        directions = {task: baseline[task][metric_by_task[task]][1] for task in tasks}  # higher is better?
+    else:
+        rows, directions = list(done["rows"]), done["higher_is_better"]
+        base_rows = {row["task"]: row for row in rows if row["removed_layer"] is None}
+        metric_by_task = {task: base_rows[task]["metric"] for task in tasks}
+        baseline = {task: {base_rows[task]["metric"]: (base_rows[task]["value"], directions[task])}
+                    for task in tasks}
     if on_rows is not None:
-        on_rows(rows)
-    for index in tqdm(layer_indices, desc="removing layers", unit="layer", dynamic_ncols=True):
+        on_rows(rows, directions)
+    measured = {row["removed_layer"] for row in rows}
+    for index in tqdm([index for index in layer_indices if index not in measured], desc="removing layers",
+                      unit="layer", dynamic_ncols=True):
         with layer_removed(model, index):
             scores, documents = evaluate(model, tokenizer, tasks, manager, batch_size, limit, bootstrap_iters,
                                          max_length, per_document)
@@ -218,18 +230,23 @@ def sweep(model, tokenizer, tasks: list[str], manager, max_length: int, metric: 
             rows.append(row(index, task, key, value, drop, drop / abs(base_value) if base_value else float("nan"),
                             documents))
         if on_rows is not None:
-            on_rows(rows)
+            on_rows(rows, directions)
     return rows
 
 
 PARTIAL_SWEEP = "layer_removal.partial.json"
 
 
-def save_partial_sweep(rows: list[dict], output_dir: Path, metadata: dict) -> None:
+# What a resumed sweep must share with the killed one for its rows to belong in one table.
+RESUME_MUST_MATCH = ("model_path", "tasks", "limit", "max_seq_len", "metric", "per_document", "layers")
+
+
+def save_partial_sweep(rows: list[dict], higher_is_better: dict, output_dir: Path, metadata: dict) -> None:
     """The rows measured so far, replaced atomically after each evaluation; save_sweep removes the file."""
     output_dir.mkdir(parents=True, exist_ok=True)
     staging = output_dir / f".{PARTIAL_SWEEP}.tmp"
-    staging.write_text(json.dumps(dict(metadata, rows=rows, complete=False), indent=1))
+    staging.write_text(json.dumps(dict(metadata, rows=rows, higher_is_better=higher_is_better, complete=False),
+                                  indent=1))
     staging.replace(output_dir / PARTIAL_SWEEP)
 
 
@@ -317,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "documents); off by default, since it makes lm-eval keep every sample")
     parser.add_argument("--output_dir", default="runs/analysis/layer_removal", help="where the sweep table and plot go")
     parser.add_argument("--overwrite", action="store_true", help="replace the sweep already in --output_dir")
+    parser.add_argument("--resume", action="store_true",
+                        help=f"finish the killed sweep in --output_dir ({PARTIAL_SWEEP}): its layers are not redone")
     return parser
 
 
@@ -379,9 +398,13 @@ def run_sweep(parser, args, device, dtype) -> list[dict]:
         parser.error("--sweep evaluates every layer in memory; drop --layer_index and --save_path")
     output_dir = Path(args.output_dir)
     earlier = [name for name in ("layer_removal.json", PARTIAL_SWEEP) if (output_dir / name).exists()]
-    if earlier and not args.overwrite:
-        parser.error(f"--output_dir {output_dir} already holds a sweep ({earlier[0]}); pass --overwrite or choose "
-                     "another folder")
+    if args.resume and args.overwrite:
+        parser.error("--resume and --overwrite: pick one")
+    if args.resume and PARTIAL_SWEEP not in earlier:
+        parser.error(f"--resume: no unfinished sweep ({PARTIAL_SWEEP}) in --output_dir {output_dir}")
+    if earlier and not (args.overwrite or args.resume):
+        parser.error(f"--output_dir {output_dir} already holds a sweep ({earlier[0]}); pass --overwrite (or --resume "
+                     "for an unfinished one) or choose another folder")
     if args.tasks is None:
         online = model_io.hub_is_reachable()
         args.tasks = "mmlu" if online else lm_eval_tasks.HELDOUT_PERPLEXITY_TASK
@@ -437,13 +460,21 @@ def run_sweep(parser, args, device, dtype) -> list[dict]:
         model, tokenizer = model_io.load_model_and_tokenizer(args.model_path, dtype, device, args.tokenizer)
         max_length = model_io.resolve_context_length(model, args.max_seq_len)
         metadata = dict(model_path=args.model_path, tasks=tasks, limit=args.limit, num_layers=num_layers,
-                        max_seq_len=max_length,
+                        max_seq_len=max_length, metric=args.metric, per_document=args.per_document,
+                        layers=layer_indices,
                         drop="performance lost when the layer is removed (positive = worse)")
+        done = None
+        if args.resume:
+            done = json.loads((output_dir / PARTIAL_SWEEP).read_text())
+            for key in RESUME_MUST_MATCH:
+                if done.get(key) != metadata[key]:
+                    parser.error(f"--resume: the unfinished sweep has {key}={done.get(key)!r}, this command "
+                                 f"{metadata[key]!r}")
         try:
             rows = sweep(model, tokenizer, tasks, manager, max_length, metric=args.metric,
                          batch_size=args.eval_batch_size, limit=limit, bootstrap_iters=args.bootstrap_iters,
-                         layer_indices=layer_indices, per_document=args.per_document,
-                         on_rows=lambda rows: save_partial_sweep(rows, output_dir, metadata))
+                         layer_indices=layer_indices, per_document=args.per_document, done=done,
+                         on_rows=lambda rows, directions: save_partial_sweep(rows, directions, output_dir, metadata))
         except ValueError as err:
             parser.error(str(err))
     for path in save_sweep(rows, output_dir, metadata):

@@ -244,10 +244,19 @@ def test_a_second_sweep_into_the_same_folder_is_refused_and_a_killed_sweep_keeps
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2 and "--output_dir" in capsys.readouterr().err
-    monkeypatch.setattr(layer_remove, "evaluate", real_evaluate)
-    main([*argv, "--overwrite"])
+    with pytest.raises(SystemExit) as exit_info:  # a resume must be the same sweep
+        main([*argv, "--resume", "--max_seq_len", "32"])
+    assert exit_info.value.code == 2 and "max_seq_len" in capsys.readouterr().err
+    calls.clear()
+    monkeypatch.setattr(layer_remove, "evaluate", lambda *a, **k: calls.append(1) or real_evaluate(*a, **k))
+    main([*argv, "--resume"])
+    assert len(calls) == 1  # only layer 1: the baseline and layer 0 come from the partial file
     assert not (out / layer_remove.PARTIAL_SWEEP).exists()
-    assert len(json.loads((out / "layer_removal.json").read_text())["rows"]) == 3
+    resumed = json.loads((out / "layer_removal.json").read_text())["rows"]
+    main([*argv, "--overwrite"])
+    fresh = json.loads((out / "layer_removal.json").read_text())["rows"]
+    assert [row["removed_layer"] for row in resumed] == [None, 0, 1]
+    assert [row["value"] for row in resumed] == pytest.approx([row["value"] for row in fresh], rel=1e-9)
 
 
 @pytest.mark.parametrize("extra, flag", [(["--layers", "1,1"], "--layers"), (["--layers", ","], "--layers"),
