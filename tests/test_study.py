@@ -225,8 +225,9 @@ def test_precision_section_shows_a_one_seed_bf16_effect_as_a_point_estimate():
     assert claim_rows and all(line.endswith("| n/a |") for line in claim_rows), claim_rows
 
 
-def test_depth_sweep_budgets_share_records_and_keep_their_own_files():
-    default, deep = depth_sweep.parse_args([]), depth_sweep.parse_args(["--budget", "deep"])
+def test_depth_sweep_budgets_share_records_and_keep_their_own_files(tmp_path):
+    runs = ["--runs_dir", str(tmp_path / "runs")]  # run_specs writes each depth's config there
+    default, deep = depth_sweep.parse_args(runs), depth_sweep.parse_args(["--budget", "deep", *runs])
     assert len(default.settings["depths"]) >= 4 and 96 not in default.settings["depths"]
     assert deep.settings["depths"][-1] == 96 and deep.out == default.out
     assert deep.settings["report_suffix"] and not default.settings.get("report_suffix")
@@ -281,9 +282,10 @@ def test_depth_sweep_quick_end_to_end_then_reuses_every_record(tmp_path):
     assert "reused 8 records" in report and "| step | 2 | 4 | 6 | 8 |" in report  # the probe's record too
     assert "--dtype float32 --no-compile" in report  # the command, as given
     # The float32 records do not stand in for mixed-precision runs: a mixed report finds none of them.
-    assert depth_sweep.main(["--quick", "--dtype", "mixed", "--no-compile", "--report_only", "--out",
-                             str(out / "mixed")]) == 0
-    summary = json.loads((out / "mixed" / "summary.json").read_text())
+    # Same report folder, so the float32 records are there to be (wrongly) matched.
+    assert depth_sweep.main(["--quick", "--dtype", "mixed", "--no-compile", "--report_only", "--out", str(out),
+                             "--runs_dir", str(runs)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
     assert not summary["runs"] and len(summary["missing"]) == 8
 
 
