@@ -1,4 +1,5 @@
 """Angular distance: known answers on hand-built models, streaming and padding invariance, hooks vs hidden_states, CLI."""
+import gzip
 import json
 import math
 
@@ -156,6 +157,23 @@ def test_text_source_rule_offline(tmp_path, monkeypatch):
     text.write_text("one document\n\nstill the same document")
     assert model_io.resolve_text_source("c4", str(text)) == ("file", text)  # --text_file wins
     assert list(model_io.read_documents(text)) == ["one document\n\nstill the same document"]
+
+
+@pytest.mark.parametrize("name, content", [("plain.txt.gz", b"plain text, not gzip"),
+                                           ("cut.jsonl.gz", gzip.compress(b'{"text": "a document"}\n' * 50)[:40])],
+                         ids=["not_gzip", "truncated"])
+def test_an_unreadable_gz_text_is_a_one_line_error(tmp_path, capsys, name, content):
+    text = tmp_path / name
+    text.write_bytes(content)
+    with pytest.raises(ValueError, match="--text_file"):
+        list(model_io.read_documents(text))
+    from utils.angular_analysis import main
+
+    model_dir = save_with_tokenizer(tiny_hf_llama(2), tmp_path / "model")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model_path", str(model_dir), "--text_file", str(text), "--num_tokens", "1000",
+              "--output_dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and "--text_file" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_windows_stop_at_exactly_num_tokens_and_never_span_documents():

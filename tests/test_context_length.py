@@ -133,6 +133,17 @@ def test_stream_tools_keep_their_256_window_for_hub_models(tmp_path, capsys):
         capsys.readouterr().out
 
 
+def test_stream_tools_never_pass_a_hub_models_max_position_embeddings(tmp_path, long_text, forward_lengths):
+    """A hub model whose max_position_embeddings is below the 256-token default is read at its own maximum."""
+    model = tiny_hf_llama()
+    model.config.max_position_embeddings = TRAINED_LENGTH
+    assert model_io.resolve_context_length(model, None, fallback=model_io.HUB_STREAM_WINDOW) == TRAINED_LENGTH
+    model_dir = save_with_tokenizer(model, tmp_path / "short_context")
+    angular_analysis.main(["--model_path", str(model_dir), "--text_file", str(long_text), "--num_tokens", "300",
+                           "--batch_size", "4", "--output_dir", str(tmp_path / "angular")])
+    assert_inside_trained_context(forward_lengths)
+
+
 def test_resolve_context_length_reads_a_config_dict(trained_checkpoint):
     config = model_io.read_local_config(trained_checkpoint)
     assert model_io.resolve_context_length(config, None, log=lambda line: None) == TRAINED_LENGTH

@@ -423,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
     for action in parser._actions:  # the shared flags' help, with this tool's meaning
         if action.dest == "max_seq_len":
             action.help = ("tokens per window (default: the context length the checkpoint was trained at; "
-                           f"{model_io.HUB_STREAM_WINDOW} for a hub model that records none)")
+                           f"{model_io.HUB_STREAM_WINDOW}, or its max_position_embeddings if smaller, for a hub model "
+                           "that records none)")
         elif action.dest == "batch_size":
             action.help = ("Jacobian rows or probes per batched backward pass; lower it if memory runs out "
                            "(default: as many as keep one batched gradient under 2^25 floats)")
@@ -447,14 +448,22 @@ def parse_and_check(argv: list[str] | None):
     paths = args.model_paths or [args.model_path or DEFAULT_MODEL]
     if args.labels and not args.model_paths:
         parser.error("--labels: only with --model_paths")
-    labels = args.labels or [Path(path.rstrip("/")).name for path in paths]
+    labels = args.labels or [_default_label(path) for path in paths]
     if len(labels) != len(paths):
         parser.error(f"--labels: got {len(labels)} labels for {len(paths)} models")
     if len(set(labels)) != len(labels) or any("/" in label or label in ("", ".", "..") for label in labels):
         parser.error(f"--labels: labels name output folders, so they must be distinct and contain no '/': {labels}")
     model_io.apply_threads(parser, args)
     device, dtype, source = model_io.resolve_run_settings(parser, args)
+    for path in paths:  # every path, before the first model is analysed
+        model_io.check_model_path(parser, path, "--model_paths" if args.model_paths else "--model_path")
     return parser, args, list(zip(labels, paths)), device, dtype, source
+
+
+def _default_label(path: str) -> str:
+    """The folder's name; for '.' or '..' the name of the folder they stand for."""
+    name = Path(path.rstrip("/")).name
+    return Path(path).resolve().name if name in ("", ".", "..") else name
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import urllib.request
+import zlib
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Iterable, Iterator
@@ -195,7 +196,8 @@ def resolve_context_length(model_or_config, requested: int | None, log=print, fa
 
     ``requested`` (--max_seq_len) when given, else the length the model was trained at (config
     ``train_max_length``, written by torchrun_main.py), else the tool's own ``fallback`` for hub models, which record
-    no trained length (the angular and variance tools keep their 256-token windows), else
+    no trained length (the angular and variance tools keep their 256-token windows, or max_position_embeddings
+    when that is smaller), else
     ``max_position_embeddings`` (what lm-eval uses by default). Prints one line saying which length is used and
     why, plus a warning when ``requested`` goes past the trained length (positions the model never saw in training)."""
     config = getattr(model_or_config, "config", model_or_config)
@@ -214,11 +216,16 @@ def resolve_context_length(model_or_config, requested: int | None, log=print, fa
         log(f"[context] {trained} tokens per window: the model was trained at that length (config "
             "train_max_length; --max_seq_len overrides)")
         return int(trained)
+    positions = getattr(config, "max_position_embeddings", None)
+    if fallback is not None and positions is not None and positions < fallback:
+        log(f"[context] {positions} tokens per window: the model records no trained length, and its "
+            f"max_position_embeddings is below this tool's default {fallback} (--max_seq_len overrides)")
+        return int(positions)
     if fallback is not None:
         log(f"[context] {fallback} tokens per window: the model records no trained length, so this tool's default "
             "(--max_seq_len overrides)")
         return int(fallback)
-    fallback = getattr(config, "max_position_embeddings", None)
+    fallback = positions
     if fallback is None:
         raise ValueError("--max_seq_len: the model's config records neither train_max_length nor "
                          "max_position_embeddings; pass --max_seq_len")
@@ -291,17 +298,20 @@ def read_documents(path: str | os.PathLike) -> Iterator[str]:
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     is_jsonl = path.name.removesuffix(".gz").endswith((".jsonl", ".json"))
-    with opener(path, "rt", encoding="utf-8") as handle:
-        if not is_jsonl:
-            yield handle.read()
-            return
-        for line_number, line in enumerate(handle, start=1):
-            if line.strip():
-                try:
-                    yield json.loads(line)["text"]
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise ValueError(f"--text_file: {path} line {line_number} is not a JSON object with a "
-                                     "\"text\" field") from None
+    try:
+        with opener(path, "rt", encoding="utf-8") as handle:
+            if not is_jsonl:
+                yield handle.read()
+                return
+            for line_number, line in enumerate(handle, start=1):
+                if line.strip():
+                    try:
+                        yield json.loads(line)["text"]
+                    except (json.JSONDecodeError, KeyError, TypeError):
+                        raise ValueError(f"--text_file: {path} line {line_number} is not a JSON object with a "
+                                         "\"text\" field") from None
+    except (OSError, EOFError, zlib.error) as err:  # e.g. a .gz that is not gzip, or is cut short
+        raise ValueError(f"--text_file: cannot read {path} ({err})") from None
 
 
 def hub_is_reachable(timeout_s: float = 3.0) -> bool:
@@ -456,8 +466,8 @@ def add_context_argument(parser) -> None:
     """--max_seq_len, shared by every evaluation tool; None resolves through resolve_context_length."""
     parser.add_argument("--max_seq_len", type=int, default=None,
                         help="tokens per window (default: the length the model was trained at, from its config's "
-                             "train_max_length; for hub models without one, 256 for the residual-stream tools and "
-                             "max_position_embeddings for lm-eval)")
+                             "train_max_length; for hub models without one, 256 for the residual-stream tools (or "
+                             "max_position_embeddings if smaller) and max_position_embeddings for lm-eval)")
 
 
 def check_positive_or_none(parser, args, *names: str) -> None:
