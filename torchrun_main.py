@@ -170,6 +170,33 @@ def user_errors():
         raise BadInput(str(err)) from err
 
 
+@contextlib.contextmanager
+def failure_shared_by_every_rank(run_dir: str):
+    """Around work that rank 0 alone does (the other ranks run an empty body): rank 0's outcome is broadcast, so a
+    failure ends every rank with the code rank 0 chose (2 bad input, 4 no space, else 1 with rank 0's traceback)
+    instead of leaving the others in their next collective; on a multi-node run every node then reports it."""
+    failure, error = [None], None
+    try:
+        yield
+    except BadInput as err:
+        failure[0] = (str(err), 2)
+    except run_folder.SaveFailed as err:
+        failure[0] = (str(err), err.exit_code)
+    except Exception as err:
+        error = err
+        failure[0] = ((f"run folder {run_dir}: no space left on device ({err.__class__.__name__})",
+                       run_folder.EXIT_NO_SPACE) if run_folder.is_no_space(err, run_dir)
+                      else (f"rank 0 failed ({err.__class__.__name__})", 1))
+    broadcast_from_rank0(failure)
+    if failure[0] is None:
+        return
+    if error is not None and failure[0][1] == 1:
+        raise error
+    if failure[0][1] == 2:
+        raise BadInput(failure[0][0])
+    raise run_folder.SaveFailed(*failure[0])
+
+
 def autocast_for(args, device):
     if args.dtype == "mixed":
         return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
@@ -309,20 +336,20 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
     # ---- logging --------------------------------------------------------------------------------------------
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     metrics = None
-    if is_main:  # rows past update_step (all of them for a run killed before its first checkpoint) are set aside
-        with user_errors():
-            metrics = training_utils.MetricsFile(metrics_path, resume_step=update_step)
-        for note in metrics.notes:
-            log(note)
     run_config = dict(vars(args), world_size=world_size, n_params=n_params, vocab_size=config.vocab_size,
                       run_dir=run_dir)
     wandb_run = None
-    if is_main:
-        tags = [t.strip() for t in args.tags.split(",") if t.strip()] if args.tags else None
-        with user_errors():  # a malformed RUN/wandb_run_id is bad input
-            wandb_run = training_utils.init_wandb(project=args.wandb_project, run_name=args.run_name,
-                                                  config=run_config, tags=tags, run_dir=run_dir,
-                                                  resume=args.continue_from is not None)
+    with failure_shared_by_every_rank(run_dir):
+        if is_main:  # rows past update_step (all of them for a run killed before its first checkpoint) are set aside
+            with user_errors():
+                metrics = training_utils.MetricsFile(metrics_path, resume_step=update_step)
+            for note in metrics.notes:
+                log(note)
+            tags = [t.strip() for t in args.tags.split(",") if t.strip()] if args.tags else None
+            with user_errors():  # a malformed RUN/wandb_run_id is bad input
+                wandb_run = training_utils.init_wandb(project=args.wandb_project, run_name=args.run_name,
+                                                      config=run_config, tags=tags, run_dir=run_dir,
+                                                      resume=args.continue_from is not None)
 
     autocast = autocast_for(args, device)
 
@@ -477,43 +504,44 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
     if last_eval is None and status == "finished":  # resumed at the last step: the results were never written
         last_eval = dict(run_eval(), step=update_step)
 
-    # ---- results ------------------------------------------------------------------------------------------------
-    if not is_main:
-        return training_utils.EXIT_DIVERGED if status == "diverged" else 0
-    metrics.close()
-    results = {
-        "status": status,
-        "step": update_step,
-        "num_training_steps": args.num_training_steps,
-        "final_eval_loss": last_eval["eval_loss"] if status == "finished" else None,
-        "final_eval_ppl": last_eval["eval_ppl"] if status == "finished" else None,
-        "eval_tokens": last_eval["eval_tokens"] if status == "finished" else None,
-        "tokens_seen": tokens_seen,
-        "diverged_reason": diverged_reason,
-        "norm_type": config.norm_type,
-        "post_num": config.post_num,
-        "model_config": args.model_config,
-        "checkpoint": last_checkpoint,
-    }
-    results_path = os.path.join(run_dir, "results.json")
-    run_folder.write_json_atomic(results_path, {k: training_utils._json_safe(v) for k, v in results.items()})
-    plot_path = os.path.join(run_dir, "loss_curve.png")
-    training_utils.plot_loss_curve(metrics_path, plot_path, title=f"{args.run_name} ({status})")
-    gains_plot_path = training_utils.plot_norm_gains(metrics_path, os.path.join(run_dir, "norm_gains.png"),
-                                                     title=f"{args.run_name}: mean RMSNorm gain per layer")
-    wandb_dir = wandb_run.dir if wandb_run is not None else None
-    if wandb_run is not None:
-        wandb_run.summary.update({k: v for k, v in results.items() if v is not None})
-        wandb_run.finish(exit_code=training_utils.EXIT_DIVERGED if status == "diverged" else 0)
-    print(f"\nstatus:     {status} at update step {update_step}"
-          + (f" ({diverged_reason})" if diverged_reason else "")
-          + (f"\neval:       loss {results['final_eval_loss']:.4f}, ppl {results['final_eval_ppl']:.2f} over "
-             f"{results['eval_tokens']} tokens" if status == "finished" else "")
-          + f"\nrun folder: {run_dir}\nmetrics:    {metrics_path}\nresults:    {results_path}\nplot:       {plot_path}"
-          + (f"\nnorm gains: {gains_plot_path}" if gains_plot_path else "")
-          + f"\ncheckpoint: {last_checkpoint or 'none'}"
-          + (f"\nwandb:      {wandb_dir} ({training_utils.wandb_mode()})" if wandb_dir else ""),
-          flush=True)
+    # ---- results: written by rank 0; every rank leaves with its outcome -------------------------------------------
+    with failure_shared_by_every_rank(run_dir):
+        if is_main:
+            metrics.close()
+            results = {
+                "status": status,
+                "step": update_step,
+                "num_training_steps": args.num_training_steps,
+                "final_eval_loss": last_eval["eval_loss"] if status == "finished" else None,
+                "final_eval_ppl": last_eval["eval_ppl"] if status == "finished" else None,
+                "eval_tokens": last_eval["eval_tokens"] if status == "finished" else None,
+                "tokens_seen": tokens_seen,
+                "diverged_reason": diverged_reason,
+                "norm_type": config.norm_type,
+                "post_num": config.post_num,
+                "model_config": args.model_config,
+                "checkpoint": last_checkpoint,
+            }
+            results_path = os.path.join(run_dir, "results.json")
+            run_folder.write_json_atomic(results_path, {k: training_utils._json_safe(v) for k, v in results.items()})
+            plot_path = os.path.join(run_dir, "loss_curve.png")
+            training_utils.plot_loss_curve(metrics_path, plot_path, title=f"{args.run_name} ({status})")
+            gains_plot_path = training_utils.plot_norm_gains(metrics_path, os.path.join(run_dir, "norm_gains.png"),
+                                                             title=f"{args.run_name}: mean RMSNorm gain per layer")
+            wandb_dir = wandb_run.dir if wandb_run is not None else None
+            if wandb_run is not None:
+                wandb_run.summary.update({k: v for k, v in results.items() if v is not None})
+                wandb_run.finish(exit_code=training_utils.EXIT_DIVERGED if status == "diverged" else 0)
+            print(f"\nstatus:     {status} at update step {update_step}"
+                  + (f" ({diverged_reason})" if diverged_reason else "")
+                  + (f"\neval:       loss {results['final_eval_loss']:.4f}, ppl {results['final_eval_ppl']:.2f} over "
+                     f"{results['eval_tokens']} tokens" if status == "finished" else "")
+                  + f"\nrun folder: {run_dir}\nmetrics:    {metrics_path}\nresults:    {results_path}"
+                  + f"\nplot:       {plot_path}"
+                  + (f"\nnorm gains: {gains_plot_path}" if gains_plot_path else "")
+                  + f"\ncheckpoint: {last_checkpoint or 'none'}"
+                  + (f"\nwandb:      {wandb_dir} ({training_utils.wandb_mode()})" if wandb_dir else ""),
+                  flush=True)
     return training_utils.EXIT_DIVERGED if status == "diverged" else 0
 
 

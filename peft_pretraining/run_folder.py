@@ -45,7 +45,7 @@ class RunFolderBusy(Exception):
 
 
 class SaveFailed(Exception):
-    """Rank 0 could not save a checkpoint; raised on every rank with the same exit code."""
+    """Rank 0 could not save a checkpoint (or another file only it writes); raised on every rank with one exit code."""
 
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)

@@ -34,7 +34,7 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 # Loaded by every Python process started with this file's folder on PYTHONPATH: stops the save of step
 # FAULT_STEP at stage FAULT_STAGE (SIGKILL, or a pause that the test ends with SIGKILL), or makes rank 0's save fail
-# with ENOSPC (FAULT_STAGE=enospc_rank0).
+# with ENOSPC (FAULT_STAGE=enospc_rank0), or rank 0's write of results.json (FAULT_STAGE=enospc_results_rank0).
 SITECUSTOMIZE = '''
 import os
 if os.environ.get("FAULT_STAGE"):
@@ -76,6 +76,17 @@ if os.environ.get("FAULT_STAGE"):
         stop()  # after_rename: model_N in place, the run not yet told
 
     training_utils.save_checkpoint = save_checkpoint
+    if stage == "enospc_results_rank0" and os.environ.get("RANK") == "0":
+        from peft_pretraining import run_folder
+
+        real_write_json = run_folder.write_json_atomic
+
+        def write_json_atomic(path, payload):
+            if str(path).endswith("results.json"):
+                raise OSError(28, "No space left on device (injected)")
+            return real_write_json(path, payload)
+
+        run_folder.write_json_atomic = write_json_atomic
 '''
 
 
@@ -548,22 +559,22 @@ def test_every_input_is_validated_before_any_work(reference, tmp_path, monkeypat
 # 9. A failed save on rank 0 of two
 # --------------------------------------------------------------------------------------------------------------
 
-def test_save_failure_on_rank_0_reaches_every_rank(tmp_path):
-    """Two gloo ranks started the way torchrun starts them (env:// rendezvous), so each rank's exit code is seen."""
+def run_two_ranks(tmp_path: Path, args: list, **faults) -> list[tuple[int, str]]:
+    """Two gloo ranks started the way torchrun starts them (env:// rendezvous), so each rank's exit code is seen:
+    [(exit code, stderr)] by rank."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    env = fault_env(tmp_path, FAULT_STAGE="enospc_rank0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=2,
-                    LOCAL_WORLD_SIZE=2, TORCH_NCCL_ASYNC_ERROR_HANDLING=1)
-    args = [*RUN, "--num_training_steps", "2", "--save_dir", str(tmp_path / "run")]
-    ranks = [subprocess.Popen([sys.executable, "torchrun_main.py", *args], cwd=REPO, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    env = fault_env(tmp_path, **faults, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2,
+                    TORCH_NCCL_ASYNC_ERROR_HANDLING=1)
+    ranks = [subprocess.Popen([sys.executable, "torchrun_main.py", *map(str, args)], cwd=REPO,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)))
              for rank in range(2)]
     outputs = []
     try:
         for proc in ranks:
-            outputs.append(proc.communicate(timeout=240))  # without the status broadcast, rank 1 waits ~30 min
+            outputs.append(proc.communicate(timeout=240))  # a rank left waiting on a collective waits ~30 min
     except subprocess.TimeoutExpired:
         for proc in ranks:
             if proc.poll() is None:
@@ -578,6 +589,34 @@ def test_save_failure_on_rank_0_reaches_every_rank(tmp_path):
     finally:
         for proc in ranks:
             proc.kill()
-    assert [proc.returncode for proc in ranks] == [run_folder.EXIT_NO_SPACE] * 2, [err[-2000:] for _, err in outputs]
-    assert "no space left on device" in one_error_line(outputs[0][1])
-    assert "Traceback" not in outputs[1][1]  # rank 1 learnt the outcome from rank 0, it did not crash into it
+    return [(proc.returncode, err) for proc, (_, err) in zip(ranks, outputs, strict=True)]
+
+
+def test_save_failure_on_rank_0_reaches_every_rank(tmp_path):
+    ranks = run_two_ranks(tmp_path, [*RUN, "--num_training_steps", "2", "--save_dir", tmp_path / "run"],
+                          FAULT_STAGE="enospc_rank0")
+    assert [code for code, _ in ranks] == [run_folder.EXIT_NO_SPACE] * 2, [err[-2000:] for _, err in ranks]
+    assert "no space left on device" in one_error_line(ranks[0][1])
+    assert "Traceback" not in ranks[1][1]  # rank 1 learnt the outcome from rank 0, it did not crash into it
+
+
+def test_bad_input_only_rank_0_reads_reaches_every_rank(tmp_path):
+    """metrics.jsonl (and wandb_run_id) are read by rank 0 alone: a damaged line is exit 2 on every rank, so that
+    every node of a multi-node run reports it (before: rank 1 crashed into rank 0's exit, a traceback and exit 1)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\nnot json\n{"step": 2, "loss": 8.0}\n')
+    ranks = run_two_ranks(tmp_path, [*RUN, "--num_training_steps", "2", "--save_dir", run_dir])
+    assert [code for code, _ in ranks] == [2, 2], [err[-2000:] for _, err in ranks]
+    assert "line 2 is not JSON" in one_error_line(ranks[0][1])
+    assert "Traceback" not in ranks[1][1] and "error:" not in ranks[1][1]  # one line, printed by rank 0
+
+
+def test_a_full_disk_at_rank_0s_results_reaches_every_rank(tmp_path):
+    """results.json is written by rank 0 alone while the others wait: they exit 4 with it (before: 1, a traceback)."""
+    ranks = run_two_ranks(tmp_path, [*RUN, "--num_training_steps", "2", "--save_dir", tmp_path / "run"],
+                          FAULT_STAGE="enospc_results_rank0")
+    assert [code for code, _ in ranks] == [run_folder.EXIT_NO_SPACE] * 2, [err[-2000:] for _, err in ranks]
+    assert "no space left on device" in one_error_line(ranks[0][1])
+    assert "Traceback" not in ranks[1][1]
+    assert (tmp_path / "run" / "model_2").is_dir()  # the checkpoint written before is kept

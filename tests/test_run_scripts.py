@@ -42,3 +42,21 @@ def test_gpu_tools_refuse_a_machine_without_cuda_in_one_line(command, tmp_path):
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and "no CUDA device" in proc.stderr
     assert not (tmp_path / "out").exists()  # nothing written
+
+
+@pytest.mark.parametrize("flag, value", [("--steps", "0"), ("--warmup", "-1"), ("--seq_len", "0"),
+                                         ("--batch_size", "0"), ("--peak_tflops", "0")])
+def test_benchmark_gpu_refuses_bad_counts_before_any_gpu_work(flag, value, monkeypatch, capsys):
+    """On a GPU, --steps 0 ended in a traceback (the median of no timings) after every warm-up step, and
+    --batch_size 0 silently ran the paper's micro-batch: refused in one line before CUDA is touched."""
+    import torch
+
+    from utils import benchmark_gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA H100 80GB HBM3")
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark_gpu.main(["--configs", "configs/llama_130m.json", "--modes", "eager",
+                            "--dtypes", "mixed", flag, value])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1 and flag in err, err[-2000:]

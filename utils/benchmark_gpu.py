@@ -116,6 +116,12 @@ def main(argv=None):
     def fail(message: str):
         parser.exit(2, f"benchmark_gpu.py: error: {message}\n")
 
+    for flag, value, least in (("steps", args.steps, 1), ("warmup", args.warmup, 0), ("seq_len", args.seq_len, 1),
+                               ("batch_size", args.batch_size, 1)):
+        if value is not None and value < least:
+            parser.error(f"--{flag} must be at least {least}, got {value}")
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        parser.error(f"--peak_tflops must be positive, got {args.peak_tflops}")
     if not torch.cuda.is_available():
         fail("no CUDA device is visible; this benchmark measures the GPU step (utils/benchmark_model.py runs on CPU)")
     for path in args.configs:

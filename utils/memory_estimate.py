@@ -177,15 +177,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def load_config(parser, path: str):
+    """The model config at `path` (Pre-LN), or a one-line error naming the file."""
+    try:
+        return build_config(path, norm_type="pre")
+    except (OSError, ValueError, TypeError) as err:
+        parser.error(f"{path}: not a model config JSON ({err.__class__.__name__}: {err})")
+
+
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     for path in (args.config, args.check, args.check_rss and args.check_rss[0]):
         if path is not None and not Path(path).is_file():
             parser.error(f"no such config {path}")
+    for flag in ("batch_size", "seq_len", "gpu_gb"):
+        if not getattr(args, flag) > 0:
+            parser.error(f"--{flag} must be positive, got {getattr(args, flag)}")
 
     if args.check:
-        config = build_config(args.check, norm_type="pre")
+        config = load_config(parser, args.check)
         for dtype in DTYPES:
             for checkpointing in (False, True):
                 measured = measure_saved_bytes(config, dtype, args.batch_size, args.seq_len, checkpointing)
@@ -200,7 +211,7 @@ def main(argv=None):
         config_path, dtype = args.check_rss
         if dtype not in DTYPES:
             parser.error(f"--check_rss: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        config = build_config(config_path, norm_type="pre")
+        config = load_config(parser, config_path)
         measured = measure_step_peak_rss(config, dtype, args.batch_size, args.seq_len, args.activation_checkpointing)
         row = estimate(config, dtype, args.batch_size, args.seq_len, args.activation_checkpointing)
         predicted = (row["total_gb"] - row["weights_gb"]) * GB
@@ -211,7 +222,7 @@ def main(argv=None):
                           "ratio": round(measured / predicted, 3)}), flush=True)
         return
 
-    config = build_config(args.config, norm_type="pre")
+    config = load_config(parser, args.config)
     print(f"{Path(args.config).name}: {parameter_count(config) / 1e9:.3f} B parameters, micro-batch "
           f"{args.batch_size} x {args.seq_len} tokens, one {args.gpu_gb:g} GB GPU (GB = 1e9 bytes)")
     print(f"{'dtype':9} {'act.ckpt':8} {'weights':>8} {'grads':>8} {'adam':>8} {'activ.':>8} {'loss pk':>8} "
