@@ -226,17 +226,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def compute_tables(self, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
+    def compute_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device="cpu").float() / self.head_dim
         inv_freq = 1.0 / (self.base**exponents)
-        angles = torch.outer(torch.arange(self.max_positions, device=device, dtype=torch.float32), inv_freq)
+        angles = torch.outer(torch.arange(self.max_positions, device="cpu", dtype=torch.float32), inv_freq)
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos(), angles.sin()
 
     @torch.no_grad()
     def reset_tables(self):
-        """Refills the tables in place, as after to_empty() from the meta device: they are in no checkpoint."""
-        cos, sin = self.compute_tables(self.cos.device)
+        """Refills the tables in place, as after to_empty() from the meta device: they are in no checkpoint.
+        Computed on the CPU, as at construction, so that a sharded resume on GPU gets the same bits as the fresh run
+        (CUDA's cos and sin may differ in the last place)."""
+        cos, sin = self.compute_tables()
         self.cos.copy_(cos)
         self.sin.copy_(sin)
 
