@@ -79,6 +79,48 @@ def test_record_matches_only_identical_flags_and_settings():
     assert not study_lib.record_matches(dict(record, analyses={"4": {}}), spec, settings)
 
 
+def test_a_run_that_diverged_at_an_analysed_step_keeps_its_record():
+    """A diverged run saves no checkpoint at the step it diverged at (torchrun_main.py), so its record has no analysis
+    there; the record is still its run's, reused and reported rather than counted as missing."""
+    settings = study_lib.AnalysisSettings(64, 10, 2, 0, 2)
+    spec = study_lib.RunSpec("pre", 1, ("--lr", "1e-3"), (2, 4, 6))
+    record = dict(version=study_lib.RECORD_VERSION, flags=spec.flags(), analysis_settings=dataclasses.asdict(settings),
+                  status="diverged", last_step=4, analyses={"2": {}})
+    assert study_lib.record_matches(record, spec, settings)
+    assert not study_lib.record_matches(dict(record, analyses={"2": {}, "4": {}}), spec, settings)
+    assert study_lib.record_matches(dict(record, last_step=5, analyses={"2": {}, "4": {}}), spec, settings)
+    assert not study_lib.record_matches(dict(record, status="finished"), spec, settings)
+
+
+def test_a_diverged_run_is_not_redone_by_the_next_invocation(tmp_path):
+    """End to end: a run that diverges at its first analysed step is reused from its record, and --report_only
+    finds it."""
+    args = depth_sweep.parse_args(["--quick", "--dtype", "float32", "--no-compile", "--out", str(tmp_path / "report"),
+                                   "--runs_dir", str(tmp_path / "runs")])
+    flags = (*depth_sweep.train_flags(args, 2, 2, 1, 1), "--norm_type", "pre", "--divergence_loss", "0.5")
+    spec, settings = study_lib.RunSpec("pre", 1, flags, (1, 2)), study_lib.analysis_settings(args.settings)
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
+    first = study_lib.run_job(spec, settings, args.runs_dir, tmp_path / "records", env)
+    assert first["status"] == "diverged" and first["last_step"] == 1 and first["analyses"] == {}
+    assert study_lib.run_job(spec, settings, args.runs_dir, tmp_path / "records", env)["reused"] == "record"
+    assert list(study_lib.load_records([spec], settings, tmp_path / "records")) == ["pre-seed1"]
+
+
+def test_a_report_whose_pure_bf16_runs_diverged_before_their_checkpoint_is_written(tmp_path):
+    """Pure-bf16 runs that diverged before the end have no analysed checkpoint, so no norm gains to report."""
+    shutil.copytree(study_lib.REPO / "docs/study_mixed_compile/runs", tmp_path / "runs")
+    for arm in ("pre_bf16", "lns_bf16"):
+        path = tmp_path / "runs" / f"{arm}-seed1.json"
+        record = json.loads(path.read_text())
+        record.update(status="diverged", last_step=150, final_eval_loss=None, analyses={},
+                      eval_curve=[point for point in record["eval_curve"] if point[0] < 150])
+        path.write_text(json.dumps(record))
+    assert compare_norms.main(["--report_only", "--out", str(tmp_path)]) == 0
+    report = (tmp_path / "report.md").read_text()
+    assert "**Complete**: all 11 runs." in report and "Norm gains in the pure-bf16 runs" not in report
+    assert "Pure bf16 raises LNS's eval loss over mixed precision: NOT MEASURABLE" in report
+
+
 def test_run_jobs_counts_reused_records_at_once_and_returns_spec_order(tmp_path, monkeypatch):
     """A reused record finishes at once and counts on the bar while an earlier-submitted run still trains; the
     records and the deadline's skips come back in spec order whatever order the jobs finished in."""
@@ -184,6 +226,17 @@ def test_a_sitting_with_arms_reports_every_arm_the_study_has_records_for(tmp_pat
     assert "peri" in status.split("`--arms ")[1].split("`")[0].split()
 
 
+def test_budget_evidence_counts_only_runs_that_reached_the_end():
+    """A diverged run's last eval is its lowest only because training stopped there: it is not "still improving"."""
+    def record(arm, seed, status, curve):
+        return dict(arm=arm, seed=seed, status=status, eval_curve=curve)
+
+    records = {"pre-seed1": record("pre", 1, "finished", [[60, 6.0], [120, 5.8]]),
+               "pre-seed2": record("pre", 2, "diverged", [[60, 6.1]]),
+               "lns-seed1": record("lns", 1, "diverged", [[60, 6.0]])}
+    assert compare_norms.budget_evidence(records) == ["| Pre-LN | 120 | 120 | 1/1 |"]
+
+
 def test_projected_wall_time_replays_the_two_lane_schedule():
     specs = [study_lib.RunSpec(arm, 1, (), (4,)) for arm in ("a", "b", "c", "d")]
     minutes = {"a": 30, "b": 10, "c": 10, "d": 20}
@@ -287,6 +340,25 @@ def test_depth_sweep_quick_end_to_end_then_reuses_every_record(tmp_path):
                              "--runs_dir", str(runs)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert not summary["runs"] and len(summary["missing"]) == 8
+
+
+def test_max_hours_is_one_deadline_for_the_sweep_and_its_probe(tmp_path, monkeypatch):
+    """--max_hours counts from the start of the invocation: the overfitting probe, collected after the sweep, starts
+    under the same deadline, not under one that begins when the sweep's runs end."""
+    clock = [1000.0]
+    deadlines = []
+
+    def fake_run_jobs(specs, settings, runs_dir, records_dir, jobs, fresh, deadline):
+        deadlines.append(deadline)
+        clock[0] += 2 * 3600  # the runs take two hours
+        return {}, []
+
+    monkeypatch.setattr(study_lib.time, "time", lambda: clock[0])
+    monkeypatch.setattr(study_lib, "run_jobs", fake_run_jobs)
+    monkeypatch.setattr(depth_sweep, "write_report", lambda *args, **kwargs: tmp_path / "report.md")
+    assert depth_sweep.main(["--quick", "--max_hours", "1", "--overfit_probe", "--out", str(tmp_path / "report"),
+                             "--runs_dir", str(tmp_path / "runs")]) == 0
+    assert deadlines == [1000.0 + 3600] * 2
 
 
 def test_overfit_point_finds_the_lowest_eval_and_whether_the_loss_rose_after_it():

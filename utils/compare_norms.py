@@ -381,7 +381,8 @@ def budget_evidence(records) -> list[str]:
     """Is the budget past the corpus's overfitting point? The step of each run's lowest eval loss says."""
     lines = []
     for arm in sorted({r["arm"] for r in records.values()}):
-        runs = [r for r in records.values() if r["arm"] == arm and r["eval_curve"]]
+        # a diverged run's curve stops at its divergence, not at the budget's end: it says nothing of overfitting
+        runs = [r for r in records.values() if r["arm"] == arm and r["eval_curve"] and r["status"] == "finished"]
         if not runs:
             continue
         best = [min(r["eval_curve"], key=lambda p: p[1])[0] for r in runs]
@@ -418,9 +419,10 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
                         + verdict_lines(found))
         frozen = [r for r in records.values() if r["arm"] in ("pre_bf16", "lns_bf16") and r.get("analyses")]
         devs = [max(a["norm_gains"]["max_abs_dev_from_one"] for a in r["analyses"].values()) for r in frozen]
-        sections.append(f"- Norm gains in the pure-bf16 runs: the largest |gain - 1| over every block norm and every "
-                        f"analysed checkpoint is {max(devs):.3g} over {len(devs)} runs "
-                        f"({'every gain stayed exactly 1.0' if max(devs) == 0 else 'the gains moved'}).")
+        if devs:  # runs that diverged before their first analysed checkpoint have no gains to read
+            sections.append(f"- Norm gains in the pure-bf16 runs: the largest |gain - 1| over every block norm and "
+                            f"every analysed checkpoint is {max(devs):.3g} over {len(devs)} runs "
+                            f"({'every gain stayed exactly 1.0' if max(devs) == 0 else 'the gains moved'}).")
     if len(all_verdicts) == 2:
         sections.append(precision_section(records, *all_verdicts.values(), fp32_label))
     table_arms = [a for a in arms if a.name in present and a.group in ("core", "norms", "rivals")]

@@ -117,6 +117,8 @@ def resolve_study_args(parser: argparse.ArgumentParser, args, budgets: dict) -> 
         parser.error(f"--jobs must be positive, got {args.jobs}")
     if args.max_hours is not None and args.max_hours <= 0:
         parser.error(f"--max_hours must be positive, got {args.max_hours}")
+    # one deadline for the whole invocation, however many collect_records calls it makes (the sweep, then its probe)
+    args.deadline = None if args.max_hours is None else time.time() + 3600 * args.max_hours
     if args.dtype == "mixed" and not bf16_instructions():
         print("note: this CPU names no bf16 instructions (avx512_bf16, amx_bf16); --dtype mixed emulates bf16 "
               "products here and trains about 3x slower than --dtype float32 (docs/study.md)", file=sys.stderr)
@@ -149,9 +151,8 @@ def collect_records(args, specs: list[RunSpec]) -> tuple[dict[str, dict], list[R
     if args.report_only:
         records = saved_records(args, specs)
         return records, [spec for spec in as_trained(args, specs) if spec.name not in records]
-    deadline = None if args.max_hours is None else time.time() + 3600 * args.max_hours
     return run_jobs(as_trained(args, specs), analysis_settings(args.settings), args.runs_dir, args.out / "runs",
-                    args.jobs, args.fresh, deadline)
+                    args.jobs, args.fresh, args.deadline)
 
 
 def saved_records(args, specs: list[RunSpec]) -> dict[str, dict]:
@@ -290,8 +291,13 @@ def read_record(path: Path) -> dict | None:
 def record_matches(record: dict | None, spec: RunSpec, settings: AnalysisSettings) -> bool:
     return (record is not None and record.get("version") == RECORD_VERSION and record.get("flags") == spec.flags()
             and record.get("analysis_settings") == dataclasses.asdict(settings)
-            and [int(s) for s in record.get("analyses", {})] == [s for s in spec.analyse_steps
-                                                                   if s <= record.get("last_step", 0)])
+            and [int(s) for s in record.get("analyses", {})] == checkpointed_steps(record, spec))
+
+
+def checkpointed_steps(record: dict, spec: RunSpec) -> list[int]:
+    """The analyse steps the run saved a checkpoint at: up to its last step, which a diverged run never saves."""
+    last = record.get("last_step", 0)
+    return [s for s in spec.analyse_steps if s < last or (s == last and record.get("status") != "diverged")]
 
 
 def run_job(spec: RunSpec, settings: AnalysisSettings, runs_dir: Path, records_dir: Path, env: dict,
