@@ -270,11 +270,12 @@ class StreamingSource:
     """
 
     def __init__(self, dataset, *, seed: int, rank: int, world_size: int, block_size: int = SHUFFLE_BLOCK,
-                 text_field: str = "text"):
+                 text_field: str = "text", files: list[str] | None = None):
         if block_size < 1:
             raise ValueError(f"shuffle block size must be >= 1, got {block_size}")
         self.dataset, self.seed, self.rank, self.world_size = dataset, seed, rank, world_size
         self.block_size, self.text_field = block_size, text_field
+        self.files = files  # local files, one per shard: an unreadable one is named in a one-line error
         total = dataset.num_shards
         self.whole_shards = total % world_size == 0
         self.shard_ids = list(range(rank, total, world_size)) if self.whole_shards else list(range(total))
@@ -287,9 +288,13 @@ class StreamingSource:
         dataset = self.dataset
         if self.world_size > 1:
             dataset = split_dataset_by_node(dataset, rank=self.rank, world_size=self.world_size)
-        # .iter() (unlike __iter__) does not re-shard by DataLoader worker.
-        for position, text in enumerate(t for batch in dataset.iter(batch_size=READ_BATCH)
-                                        for t in batch[self.text_field]):
+        if self.files is not None and self.world_size == 1:  # file by file, to name one that cannot be read
+            batches = (batch for shard_id in range(dataset.num_shards)
+                       for batch in self._read(self._open_shard(shard_id), shard_id))
+        else:
+            # .iter() (unlike __iter__) does not re-shard by DataLoader worker.
+            batches = dataset.iter(batch_size=READ_BATCH)
+        for position, text in enumerate(t for batch in batches for t in batch[self.text_field]):
             if position >= start:
                 yield text
 
@@ -300,6 +305,15 @@ class StreamingSource:
         if not self.whole_shards:
             shard = split_dataset_by_node(shard, rank=self.rank, world_size=self.world_size)
         return shard
+
+    def _read(self, dataset, shard_id: int):
+        """dataset.iter(batch_size=READ_BATCH); a local file that cannot be read is a one-line error naming it."""
+        try:
+            yield from dataset.iter(batch_size=READ_BATCH)
+        except _read_errors() as error:
+            if self.files is None:
+                raise
+            raise _unreadable(self.files[shard_id], error) from error
 
     def lane_documents(self, lane: int, state: dict | None = None) -> Iterator[tuple[dict, str]]:
         """Endless (state, text) pairs of one lane; passing a yielded `state` back resumes at that document.
@@ -318,7 +332,7 @@ class StreamingSource:
                 dataset = self._open_shard(shards[order[shard_index]])
                 if start is not None:
                     dataset.load_state_dict(start)
-                batches = dataset.iter(batch_size=READ_BATCH)
+                batches = self._read(dataset, shards[order[shard_index]])
                 while True:
                     texts = []
                     for batch in batches:  # whole read batches, so that a block starts where state_dict() points
@@ -339,6 +353,19 @@ class StreamingSource:
                 raise ValueError(f"rank {self.rank} of world_size {self.world_size} has no documents in lane {lane} "
                                  "of its shard of the training split (--dataset / --dataset_path)")
             epoch, shard_index = epoch + 1, 0
+
+
+@functools.cache
+def _read_errors() -> tuple:
+    import datasets.table
+    import pyarrow
+
+    # A corrupt or truncated gzip, invalid UTF-8, a malformed JSON line, records whose columns differ.
+    return OSError, EOFError, UnicodeDecodeError, pyarrow.ArrowException, datasets.table.CastError
+
+
+def _unreadable(file, error: BaseException) -> ValueError:
+    return ValueError(f"--dataset_path {file}: cannot be read ({type(error).__name__}: {' '.join(str(error).split())})")
 
 
 def _local_kind(path: pathlib.Path) -> str | None:
@@ -407,14 +434,18 @@ def _open_local_split(dataset_path: str, split: str):
     files = train_files if split == "train" or val_files is None else val_files
     builder = _local_builder(files, dataset_path)
     kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
-    dataset = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True, **kwargs)
-    first = next(iter(dataset.take(1)), None)
+    try:  # both read the first file
+        dataset = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True,
+                                        **kwargs)
+        first = next(iter(dataset.take(1)), None)
+    except _read_errors() as error:
+        raise _unreadable(files[0], error) from error
     if first is not None and not isinstance(first.get("text"), str):
         raise ValueError(f"--dataset_path {dataset_path}: records need a string \"text\" field, found keys "
                          f"{sorted(first)}")
     if val_files is None:
         dataset = dataset.filter(functools.partial(_in_validation_slice, expected=split != "train"))
-    return dataset.select_columns(["text"])
+    return dataset.select_columns(["text"]), [str(f) for f in files]
 
 
 def _require_text(text) -> None:
@@ -452,11 +483,12 @@ def _make_source(*, dataset: str, dataset_path: str | None, split: str, seed: in
     if dataset == EMBEDDED and dataset_path is None:
         texts = read_jsonl_texts(embedded_split_path(split))
         return EmbeddedSource(texts, seed=seed, rank=rank, world_size=world_size, shuffle=shuffle)
+    files = None
     if dataset_path is not None:
-        stream = _open_local_split(dataset_path, split)
+        stream, files = _open_local_split(dataset_path, split)
     else:
         stream = _open_hub_split(dataset, dataset_config, split)
-    return StreamingSource(stream, seed=seed, rank=rank, world_size=world_size, block_size=block_size)
+    return StreamingSource(stream, seed=seed, rank=rank, world_size=world_size, block_size=block_size, files=files)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -554,6 +586,34 @@ def _keep_as_is(item):
     return item
 
 
+class _WorkerError:
+    """A ValueError raised in a DataLoader worker, sent as an item: the DataLoader would wrap it in a traceback."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+class _ErrorsAsItems(torch.utils.data.IterableDataset):
+    """The chunks of a worker, ending with a _WorkerError if reading them raised a ValueError."""
+
+    def __init__(self, chunks):
+        self.chunks = chunks
+
+    def __iter__(self):
+        try:
+            yield from self.chunks
+        except ValueError as error:
+            yield _WorkerError(str(error))
+
+
+def _raise_worker_errors(items):
+    """Re-raise a worker's ValueError with its own one-line message (bad data names the flag, as without workers)."""
+    for item in items:
+        if isinstance(item, _WorkerError):
+            raise ValueError(item.message)
+        yield item
+
+
 def _require_eos(tokenizer) -> None:
     if tokenizer.eos_token_id is None:
         raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no EOS token; documents are "
@@ -629,8 +689,9 @@ class TrainStream:
     def _loader(self, chunks):
         if self.effective_workers == 0:
             return chunks
-        return torch.utils.data.DataLoader(chunks, batch_size=None, num_workers=self.effective_workers,
-                                           collate_fn=_keep_as_is)
+        return _raise_worker_errors(torch.utils.data.DataLoader(_ErrorsAsItems(chunks), batch_size=None,
+                                                                num_workers=self.effective_workers,
+                                                                collate_fn=_keep_as_is))
 
     def _documents(self):
         """(tokens, cursor) from the current position; `cursor` locates the document for _position_*."""

@@ -437,6 +437,36 @@ def test_bad_local_data_is_found_before_or_named_by_a_value_error(tmp_path, toke
                     batch_size=7), 1)
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_bad_data_found_in_a_worker_is_the_same_one_line_error(tmp_path, tokenizer, num_workers):
+    """The trainer's default --workers 8 reads in DataLoader workers, which wrap an error in their traceback."""
+    records = [{"text": t} for t in sentences(6, "train")] + [{"text": None}]
+    (tmp_path / "nulls").mkdir()
+    (tmp_path / "nulls" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(ValueError) as error:
+        take(stream(tokenizer, dataset="local", dataset_path=str(tmp_path / "nulls" / "train.jsonl"), batch_size=7,
+                    num_workers=num_workers), 1)
+    assert str(error.value) == "a document's \"text\" is NoneType, not a string (--dataset / --dataset_path)"
+
+
+@pytest.mark.parametrize("damage", ["not_gzip", "truncated_gzip", "malformed_json"])
+@pytest.mark.parametrize("name", ["a.jsonl.gz", "b.jsonl.gz", "val.jsonl.gz"])
+def test_an_unreadable_local_file_is_a_one_line_error_naming_it(tmp_path, tokenizer, damage, name):
+    corpus = tmp_path / "corpus"
+    for good in ("a.jsonl.gz", "b.jsonl.gz", "val.jsonl.gz"):
+        texts = sentences(6, good[0])
+        (corpus / good).parent.mkdir(exist_ok=True)
+        (corpus / good).write_bytes(gzip.compress("".join(json.dumps({"text": t}) + "\n" for t in texts).encode()))
+    content = (corpus / name).read_bytes()
+    (corpus / name).write_bytes({"not_gzip": b"plain bytes", "truncated_gzip": content[:-12],
+                                 "malformed_json": gzip.compress(gzip.decompress(content) + b"{not json\n")}[damage])
+    with pytest.raises(ValueError, match=f"^--dataset_path {corpus / name}: cannot be read") as error:
+        take(stream(tokenizer, dataset="local", dataset_path=str(corpus), batch_size=8, num_workers=2), 10)
+        list(data.iter_eval_batches(dataset="local", dataset_path=str(corpus), tokenizer=tokenizer, max_length=64,
+                                    packing=False, batch_size=4, eval_tokens=10 ** 6, rank=0, world_size=1))
+    assert "\n" not in str(error.value)
+
+
 def test_empty_documents_get_no_row_and_a_corpus_of_them_is_an_error(tmp_path, tokenizer):
     texts = [t for pair in zip(sentences(6, "train"), [""] * 6) for t in pair]
     write_jsonl(tmp_path / "corpus" / "train.jsonl", texts)
@@ -522,3 +552,16 @@ def test_build_command_rejects_a_bad_source(tmp_path, capsys):
     with pytest.raises(SystemExit):
         data.main(["build-embedded", "--source", str(tmp_path / "missing")])
     assert "--source" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, flag", [(["--batch_size", "0"], "--batch_size"),
+                                        (["--train_steps", "0"], "--train_steps"),
+                                        (["--streaming", "--shards", "0"], "--shards"),
+                                        (["--streaming", "--workers", "2", "-1"], "--workers"),
+                                        (["--streaming", "--documents_per_shard", "3"], "--documents_per_shard")])
+def test_benchmark_dataloader_rejects_bad_numbers_in_one_line(argv, flag, capsys):
+    from utils.benchmark_dataloader import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 2 and flag in capsys.readouterr().err

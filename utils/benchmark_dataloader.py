@@ -223,9 +223,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    for flag in ("max_length", "batch_size", "loader_batches", "train_batch_size", "train_steps", "shards",
+                 "documents_per_shard", "repeats"):
+        minimum = 2 if flag == "max_length" else 1
+        if getattr(args, flag) < minimum:
+            parser.error(f"--{flag} must be >= {minimum}, got {getattr(args, flag)}")
+    for flag in ("num_workers", "workers", "resume_workers"):
+        if min(getattr(args, flag) if flag == "workers" else [getattr(args, flag)]) < 0:
+            parser.error(f"--{flag} must be >= 0, got {getattr(args, flag)}")
+    if args.streaming and args.shards * args.documents_per_shard < args.batch_size:
+        parser.error(f"--shards x --documents_per_shard ({args.shards * args.documents_per_shard} documents) must "
+                     f"fill one --batch_size {args.batch_size}")
     if args.streaming:
         if args.compare_with and not pathlib.Path(args.compare_with).is_file():
             parser.error(f"--compare_with {args.compare_with}: no such file")
