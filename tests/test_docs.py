@@ -1,15 +1,18 @@
 """The documentation stays true to the code.
 
-- Every relative link (and image) in README.md and docs/**/*.md points to a file that exists, and an anchor, when
-  given, names a heading of the target page (GitHub's heading slugs).
+- Every relative link (and image) in README.md, data/README.md and docs/**/*.md points to a file that exists, and an
+  anchor, when given, names a heading of the target page (GitHub's heading slugs).
 - Every flag in a documented command that runs one of our scripts is accepted by that script's argparse parser.
   The parser is built with the script's `build_parser()` and only parses: nothing is run, loaded or written.
+- Every `--flag` named in code (a span or a fenced block), also outside a command (flag tables, prose), is a flag of
+  one of our scripts or of a named outside tool, so a renamed or removed flag cannot linger in a table.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import copy
+import functools
 import io
 import importlib
 import re
@@ -34,7 +37,7 @@ REDIRECTIONS = {">", ">>", "<", ">&", "<&", "&>"}
 
 
 def doc_files() -> list[Path]:
-    return [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    return [REPO / "README.md", REPO / "data" / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 
 
 def shown(path: Path) -> str:
@@ -330,6 +333,49 @@ def flag_errors(path: Path) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Flags named outside a command
+# ----------------------------------------------------------------------------------------------------------------
+# Flags of tools that are not ours, shown in the docs: torchrun's rendezvous, lm-eval's CLI, pytest, and the reference
+# code's own flags quoted in docs/differences.md.
+OUTSIDE_FLAGS = {
+    "--nnodes", "--nproc_per_node", "--rdzv_backend", "--rdzv_endpoint", "--rdzv_id", "--standalone",  # torchrun
+    "--model", "--model_args", "--include_path", "--tasks", "--limit",  # lm_eval
+    "--durations",  # pytest
+    "--beta1", "--use_hf_model", "--name",  # the reference code
+}
+FLAG_NAME = re.compile(r"(?<![\w-])(--[A-Za-z][\w-]*)")
+
+
+@functools.lru_cache(maxsize=None)
+def our_flags() -> frozenset[str]:
+    """Every option string of every parser in the repository (each script with a build_parser())."""
+    flags = set()
+    scripts = [*REPO.glob("*.py"), *(REPO / "utils").glob("*.py"), *(REPO / "peft_pretraining").glob("*.py")]
+    for script in sorted(scripts):
+        if "def build_parser" not in script.read_text():
+            continue
+        module = ".".join(script.relative_to(REPO).with_suffix("").parts)
+        pending = [importlib.import_module(module).build_parser()]
+        while pending:
+            parser = pending.pop()
+            for action in parser._actions:
+                flags.update(action.option_strings)
+                if isinstance(action, argparse._SubParsersAction):
+                    pending.extend(action.choices.values())
+    return frozenset(flags)
+
+
+def unknown_flag_errors(path: Path) -> list[str]:
+    prose, blocks = split_fences(path.read_text())
+    code = [(number, match.group(2)) for number, paragraph in paragraphs(prose)
+            for match in INLINE_CODE.finditer(paragraph)]
+    code += [(start + offset, line) for start, _, body in blocks for offset, line in enumerate(body.splitlines())]
+    known = our_flags() | OUTSIDE_FLAGS
+    return [f"{shown(path)}:{number}: {flag} is a flag of none of our scripts"
+            for number, text in code for flag in FLAG_NAME.findall(text) if flag not in known]
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # The tests
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("path", doc_files(), ids=shown)
@@ -340,6 +386,21 @@ def test_relative_links_resolve(path):
 @pytest.mark.parametrize("path", doc_files(), ids=shown)
 def test_documented_flags_are_accepted(path):
     assert flag_errors(path) == []
+
+
+@pytest.mark.parametrize("path", doc_files(), ids=shown)
+def test_every_flag_named_in_the_docs_exists(path):
+    assert unknown_flag_errors(path) == []
+
+
+def test_unknown_flag_checker(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# A page\n\n| flag | default |\n|---|---|\n| `--keep_last N` | all |\n| `--keep_newest N` | all |\n\n"
+                    "```bash\ntorchrun --nproc_per_node 2 torchrun_main.py --batch_size 4  # --not_a_flag_anywhere\n```\n"
+                    "Prose --outside_code is not checked.\n")
+    errors = unknown_flag_errors(page)
+    assert len(errors) == 2
+    assert "--keep_newest" in errors[0] and "--not_a_flag_anywhere" in errors[1]
 
 
 def test_the_docs_show_commands_that_get_checked():
