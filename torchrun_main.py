@@ -197,6 +197,26 @@ def failure_shared_by_every_rank(run_dir: str):
     raise run_folder.SaveFailed(*failure[0])
 
 
+class HeldFailure:
+    """An exception from what rank 0 alone writes inside the loop (metrics rows, wandb), held instead of raised: rank 0
+    goes on to the next point where the ranks meet anyway (the next update's all-reduce carries the flag, save() and
+    the results raise it as their own failure), so every rank ends with rank 0's code and no collective is added."""
+
+    def __init__(self):
+        self.error = None
+
+    @contextlib.contextmanager
+    def held(self):
+        try:
+            yield
+        except Exception as err:
+            self.error = err
+
+    def raise_held(self):
+        if self.error is not None:
+            raise self.error
+
+
 def autocast_for(args, device):
     if args.dtype == "mixed":
         return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
@@ -352,6 +372,7 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
                                                       resume=args.continue_from is not None)
 
     autocast = autocast_for(args, device)
+    rank0_writes = HeldFailure()
 
     eval_batches: list[dict] = []  # this rank's share of the eval set, read once (each rank tokenizes all of it)
 
@@ -387,6 +408,7 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
             if checksums is not None and len(set(checksums)) > 1:
                 log(f"WARNING: ranks' parameters differ at step {step}: checksums {checksums}")
             try:
+                rank0_writes.raise_held()  # a row rank 0 failed to write: no checkpoint outlives it
                 metrics.sync()  # a power loss may not keep a checkpoint without the rows up to it
                 path = training_utils.save_checkpoint(
                     run_dir, step, hf_model=export_model, model_state=model_state, tokenizer=tokenizer,
@@ -430,11 +452,16 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
             micro_batches = [next(stream) for _ in range(args.gradient_accumulation)]
         # Every target token of the update weighs the same, however padding splits them over micro-batches and
         # ranks: each micro-batch's mean loss is weighted by its share of the update's targets (all ranks). Every row
-        # holds a target: the loader gives an empty document no row.
+        # holds a target: the loader gives an empty document no row. The same all-reduce says whether rank 0 failed
+        # to write the last update's row.
         targets = [count_target_tokens(batch["labels"]) for batch in micro_batches]
-        all_ranks_targets = torch.tensor(sum(targets), dtype=torch.float64, device=device)
-        dist.all_reduce(all_ranks_targets)
-        update_targets = all_ranks_targets.item()
+        update_totals = torch.tensor([sum(targets), rank0_writes.error is not None], dtype=torch.float64,
+                                     device=device)
+        dist.all_reduce(update_totals)
+        update_targets, rank0_write_failed = update_totals.tolist()
+        if rank0_write_failed:
+            with failure_shared_by_every_rank(run_dir):
+                rank0_writes.raise_held()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         tokens_in_update = torch.zeros((), dtype=torch.int64, device=device)
         for micro, batch in enumerate(micro_batches):
@@ -462,9 +489,10 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
         if diverged_reason is not None:
             status = "diverged"
             optimizer.zero_grad(set_to_none=True)  # the bad update is never applied
-            if is_main:
-                metrics.write({"step": update_step + 1, "loss": step_loss, "lr": lr, "grad_norm": grad_norm,
-                               "tokens_seen": tokens_seen, "diverged": diverged_reason})
+            with rank0_writes.held():
+                if is_main:
+                    metrics.write({"step": update_step + 1, "loss": step_loss, "lr": lr, "grad_norm": grad_norm,
+                                   "tokens_seen": tokens_seen, "diverged": diverged_reason})
             log(f"diverged at update step {update_step + 1}: {diverged_reason}; stopping (last checkpoint kept)")
             update_step += 1
             break
@@ -488,12 +516,13 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
                        final_norm_gain_mean=training_utils.final_norm_gain(model))
             log(f"step {update_step}: eval loss {last_eval['eval_loss']:.4f} ppl {last_eval['eval_ppl']:.2f} "
                 f"over {last_eval['eval_tokens']} tokens")
-        if is_main:
-            metrics.write(row)
-            if wandb_run is not None:
-                wandb_run.log(row, step=update_step)
-            bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{lr:.2e}")
-            bar.update(1)
+        with rank0_writes.held():
+            if is_main:
+                metrics.write(row)
+                if wandb_run is not None:
+                    wandb_run.log(row, step=update_step)
+                bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{lr:.2e}")
+                bar.update(1)
         if status == "diverged":
             log(f"diverged at update step {update_step}: {diverged_reason}; not saved (last checkpoint kept)")
             break
@@ -507,6 +536,7 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
     # ---- results: written by rank 0; every rank leaves with its outcome -------------------------------------------
     with failure_shared_by_every_rank(run_dir):
         if is_main:
+            rank0_writes.raise_held()  # a row of the last update that rank 0 failed to write
             metrics.close()
             results = {
                 "status": status,

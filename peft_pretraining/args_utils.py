@@ -4,6 +4,7 @@ Flag names and defaults follow the reference implementation so that published co
 Every bad value ends in a one-line `parser.error` naming the flag; nothing is created or touched here.
 """
 import argparse
+import fractions
 import glob
 import json
 import math
@@ -35,6 +36,9 @@ MODEL_OPTIONS = ("norm_type", "post_num", "init_method", "layerscale_form", "lay
 DATASET_EMBEDDED = "embedded"
 DEFAULT_HUB_TOKENIZER = "t5-base"
 TRAINING_STATE_FILE = "training_state.pt"
+# About two years. torch counts a collective's deadline in int64 nanoseconds from now, which overflows near 1.5e8
+# minutes (a connect timeout in the past, or a hang); Python's timedelta refuses values above 1.4e12.
+MAX_DIST_TIMEOUT_MINUTES = 1_000_000
 
 
 def default_dtype() -> str:
@@ -47,12 +51,13 @@ def default_dtype() -> str:
 
 
 def parse_token_count(text: str) -> int:
-    """'100M', '1.5B', '20000' -> int (the reference's suffix syntax)."""
+    """'100M', '1.5B', '20000' -> int (the reference's suffix syntax). Exact decimal arithmetic: in floats '8.2M'
+    would be 8199999 tokens."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMbB]?)\s*", text)
     if not match:
         raise argparse.ArgumentTypeError(f"expected a number with an optional K/M/B suffix, got {text!r}")
     scale = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9}[match.group(2).lower()]
-    return int(float(match.group(1)) * scale)
+    return int(fractions.Fraction(match.group(1)) * scale)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -405,8 +410,9 @@ def check_args(args, parser, world_size: int):
         parser.error(f"--single_gpu trains without DDP and needs one process, but world size is {world_size}")
     if args.fsdp and args.single_gpu:
         parser.error("--fsdp and --single_gpu exclude each other")
-    if not args.dist_timeout_minutes > 0:
-        parser.error(f"--dist_timeout_minutes must be positive, got {args.dist_timeout_minutes}")
+    if not 0 < args.dist_timeout_minutes <= MAX_DIST_TIMEOUT_MINUTES:
+        parser.error(f"--dist_timeout_minutes must be positive and at most {MAX_DIST_TIMEOUT_MINUTES:,}, got "
+                     f"{args.dist_timeout_minutes:g}")
     if args.device not in ("auto", "cpu", "cuda"):
         parser.error(f"--device must be auto, cpu or cuda, got {args.device!r}")
     if args.device == "cuda" and not torch.cuda.is_available():

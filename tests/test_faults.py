@@ -34,7 +34,8 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 # Loaded by every Python process started with this file's folder on PYTHONPATH: stops the save of step
 # FAULT_STEP at stage FAULT_STAGE (SIGKILL, or a pause that the test ends with SIGKILL), or makes rank 0's save fail
-# with ENOSPC (FAULT_STAGE=enospc_rank0), or rank 0's write of results.json (FAULT_STAGE=enospc_results_rank0).
+# with ENOSPC (FAULT_STAGE=enospc_rank0), or rank 0's write of results.json (FAULT_STAGE=enospc_results_rank0), or
+# rank 0's metrics.jsonl row of step FAULT_STEP (FAULT_STAGE=enospc_metrics_rank0).
 SITECUSTOMIZE = '''
 import os
 if os.environ.get("FAULT_STAGE"):
@@ -66,7 +67,7 @@ if os.environ.get("FAULT_STAGE"):
     def save_checkpoint(run_dir, step, **kwargs):
         if stage == "enospc_rank0":
             raise OSError(28, "No space left on device (injected)")
-        if step != fault_step:
+        if step != fault_step or stage == "enospc_metrics_rank0":
             return real_save(run_dir, step, **kwargs)
         if stage == "partial":  # weights and tokenizer written into .model_N.tmp, the training state not yet
             torch.save = torch_save_stops
@@ -87,6 +88,15 @@ if os.environ.get("FAULT_STAGE"):
             return real_write_json(path, payload)
 
         run_folder.write_json_atomic = write_json_atomic
+    if stage == "enospc_metrics_rank0" and os.environ.get("RANK") == "0":
+        real_write = training_utils.MetricsFile.write
+
+        def write(self, row):
+            if row["step"] == fault_step:
+                raise OSError(28, "No space left on device (injected)")
+            return real_write(self, row)
+
+        training_utils.MetricsFile.write = write
 '''
 
 
@@ -620,3 +630,18 @@ def test_a_full_disk_at_rank_0s_results_reaches_every_rank(tmp_path):
     assert "no space left on device" in one_error_line(ranks[0][1])
     assert "Traceback" not in ranks[1][1]
     assert (tmp_path / "run" / "model_2").is_dir()  # the checkpoint written before is kept
+
+
+@pytest.mark.parametrize("step", [3, 4])
+def test_a_full_disk_at_rank_0s_metrics_row_reaches_every_rank(tmp_path, step):
+    """metrics.jsonl is written by rank 0 alone inside the loop: the failure travels with the next update's all-reduce
+    (step 3) or the save's broadcast (step 4, whose checkpoint is then not written), and every rank exits 4 (before:
+    rank 1 crashed into rank 0's exit, a traceback and exit 1)."""
+    run_dir = tmp_path / "run"
+    ranks = run_two_ranks(tmp_path, [*RUN, "--save_dir", run_dir], FAULT_STAGE="enospc_metrics_rank0", FAULT_STEP=step)
+    assert [code for code, _ in ranks] == [run_folder.EXIT_NO_SPACE] * 2, [err[-2000:] for _, err in ranks]
+    assert "no space left on device" in one_error_line(ranks[0][1])
+    assert "Traceback" not in ranks[1][1] and "error:" not in ranks[1][1]
+    assert [row["step"] for row in rows(run_dir)] == list(range(1, step))
+    assert sorted(p.name for p in run_dir.glob("*model_*")) == ["model_2"]  # no checkpoint outlives its rows
+    assert not (run_dir / "results.json").exists()

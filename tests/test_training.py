@@ -291,6 +291,8 @@ BASE = ["--model_config", "configs/llama_tiny.json", "--batch_size", "4"]
     (["--min_lr_ratio", "inf"], "--min_lr_ratio"),
     (["--layerscale_init", "-inf"], "--layerscale_init"),
     (["--dist_timeout_minutes", "inf"], "--dist_timeout_minutes"),
+    (["--dist_timeout_minutes", "1e300"], "--dist_timeout_minutes"),  # finite, but a traceback from timedelta
+    (["--dist_timeout_minutes", "1e12"], "--dist_timeout_minutes"),  # overflows torch's deadline
     (["--seed", "-1"], "--seed"),  # numpy seeds are 0 .. 2**32 - 1
     (["--seed", str(2**32)], "--seed"),
     (["--save_dir", "{tmp}/file"], "--save_dir"),  # an existing regular file
@@ -328,6 +330,17 @@ def test_batch_arithmetic_and_token_budget(monkeypatch):
     args = args_utils.parse_args([*BASE, "--total_batch_size", "512", "--max_train_tokens", "1.5M",
                                   "--warmup_steps", "0"], world_size=1)
     assert args.num_training_steps == math.ceil(1_500_000 / (512 * 256))  # tokens, not sequences
+
+
+def test_token_counts_with_a_suffix_are_exact(monkeypatch):
+    """--eval_tokens 8.2M is 8,200,000 tokens (in floats it was 8,199,999: one token short of what was asked)."""
+    monkeypatch.chdir(REPO)
+    args = args_utils.parse_args([*BASE, "--eval_tokens", "8.2M", "--max_train_tokens", "2.01M", "--max_length", "10",
+                                  "--warmup_steps", "0"], world_size=1)
+    assert args.eval_tokens == 8_200_000
+    assert args.num_training_steps == 2_010_000 // (4 * 10)
+    counts = {"1.005K": 1_005, "4.35M": 4_350_000, "1.1B": 1_100_000_000, ".5k": 500, "20000": 20_000}
+    assert {text: args_utils.parse_token_count(text) for text in counts} == counts
 
 
 def test_corrupt_checkpoint_is_a_clear_error_and_creates_nothing(shared_run, tmp_path):
