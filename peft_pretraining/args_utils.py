@@ -312,6 +312,9 @@ def check_args(args, parser, world_size: int):
             parser.error(f"{action.option_strings[0]} must be a finite number, got {value}")
     if not 0 <= args.seed < 2**32:
         parser.error(f"--seed must be between 0 and 2**32 - 1 (numpy's seed range), got {args.seed}")
+    if args.divergence_loss is not None and not args.divergence_loss > 0:  # a cross-entropy is never below 0
+        parser.error(f"--divergence_loss must be positive (it would stop every run at its first update), got "
+                     f"{args.divergence_loss:g}")
 
     if args.continue_from is not None:
         checkpoint = find_checkpoint(args.continue_from)

@@ -296,6 +296,17 @@ def test_gap_plot_of_a_partial_sweep_skips_depths_without_an_interval(tmp_path):
     assert path.stat().st_size > 1000
 
 
+def test_a_probe_that_did_not_finish_measures_no_overfitting_point(tmp_path):
+    """A diverged probe's curve stops early: its last eval is not 'still falling', and an empty curve is no crash."""
+    args = depth_sweep.parse_args(["--quick", "--out", str(tmp_path / "report"), "--runs_dir", str(tmp_path / "runs")])
+    for curve in ([[2, 5.0], [4, 4.8]], []):
+        probe = dict(arm="overfit-L4-lns", seed=1, status="diverged", last_step=5, eval_curve=curve,
+                     train_curve=[[1, 5.2], [5, float("nan")]], train_seconds=6.0)
+        text, summary = depth_sweep.probe_section(args, probe, tmp_path, "")
+        assert "diverged at step 5" in text and "no overfitting point" in text and "still falling" not in text
+        assert summary["status"] == "diverged" and "best_step" not in summary
+
+
 def test_depth_sweep_bad_input_is_one_line(capsys):
     with pytest.raises(SystemExit) as exit_info:
         depth_sweep.parse_args(["--depths", "4"])

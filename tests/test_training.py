@@ -288,6 +288,8 @@ BASE = ["--model_config", "configs/llama_tiny.json", "--batch_size", "4"]
     (["--grad_clipping", "nan"], "--grad_clipping"),
     (["--weight_decay", "nan"], "--weight_decay"),
     (["--divergence_loss", "nan"], "--divergence_loss"),
+    (["--divergence_loss", "-1"], "--divergence_loss"),
+    (["--divergence_loss", "0"], "--divergence_loss"),
     (["--min_lr_ratio", "inf"], "--min_lr_ratio"),
     (["--layerscale_init", "-inf"], "--layerscale_init"),
     (["--dist_timeout_minutes", "inf"], "--dist_timeout_minutes"),

@@ -301,6 +301,10 @@ def probe_section(args, probe: dict | None, out: Path, suffix: str) -> tuple[str
     if probe is None:
         return (f"Not measured yet: `python utils/depth_sweep.py --overfit_probe` trains the probe ({spec.arm}, seed "
                 f"{spec.seed}, {s['probe_steps']} updates, an eval every {s['probe_eval_every']}).", None)
+    if probe.get("status") != "finished":  # its curve stops early: its lowest point says nothing of overfitting
+        return (f"The probe ({spec.arm}, seed {spec.seed}) {probe.get('status', 'did not finish')} at step "
+                f"{probe.get('last_step', 0):,} of {s['probe_steps']:,}, so it measured no overfitting point.",
+                dict(arm=spec.arm, seed=spec.seed, status=probe.get("status"), last_step=probe.get("last_step")))
     point = overfit_point(probe)
     png = plot_probe(probe, s["steps"], out / f"overfit_probe{suffix}.png")
     curve = point["eval_curve"]
