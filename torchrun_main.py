@@ -171,10 +171,12 @@ def user_errors():
 
 
 @contextlib.contextmanager
-def failure_shared_by_every_rank(run_dir: str):
+def failure_shared_by_every_rank(run_dir: str, no_space: str | None = None, failed: str = "rank 0 failed",
+                                 on_failure=None):
     """Around work that rank 0 alone does (the other ranks run an empty body): rank 0's outcome is broadcast, so a
     failure ends every rank with the code rank 0 chose (2 bad input, 4 no space, else 1 with rank 0's traceback)
-    instead of leaving the others in their next collective; on a multi-node run every node then reports it."""
+    instead of leaving the others in their next collective; on a multi-node run every node then reports it.
+    `no_space` and `failed` word the one-line messages; `on_failure` cleans up on rank 0 before the outcome goes."""
     failure, error = [None], None
     try:
         yield
@@ -184,9 +186,11 @@ def failure_shared_by_every_rank(run_dir: str):
         failure[0] = (str(err), err.exit_code)
     except Exception as err:
         error = err
-        failure[0] = ((f"run folder {run_dir}: no space left on device ({err.__class__.__name__})",
+        failure[0] = ((no_space or f"run folder {run_dir}: no space left on device ({err.__class__.__name__})",
                        run_folder.EXIT_NO_SPACE) if run_folder.is_no_space(err, run_dir)
-                      else (f"rank 0 failed ({err.__class__.__name__})", 1))
+                      else (f"{failed} ({err.__class__.__name__})", 1))
+    if failure[0] is not None and on_failure is not None:
+        on_failure()
     broadcast_from_rank0(failure)
     if failure[0] is None:
         return
@@ -403,11 +407,14 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
         checksums = (training_utils.gather_rank_objects(training_utils.parameter_checksum(model))
                      if not args.fsdp else None)
         path = training_utils.checkpoint_dir(run_dir, step)
-        failure, error = [None], None
-        if is_main:
-            if checksums is not None and len(set(checksums)) > 1:
-                log(f"WARNING: ranks' parameters differ at step {step}: checksums {checksums}")
-            try:
+        with failure_shared_by_every_rank(
+                run_dir, no_space=f"run folder {run_dir}: no space left on device while saving {path}; removed the "
+                                  f"partial checkpoint, the last good one is {last_checkpoint or 'none'}",
+                failed=f"rank 0 could not save {path}",
+                on_failure=lambda: run_folder.remove_partial_checkpoints(run_dir)):
+            if is_main:
+                if checksums is not None and len(set(checksums)) > 1:
+                    log(f"WARNING: ranks' parameters differ at step {step}: checksums {checksums}")
                 rank0_writes.raise_held()  # a row rank 0 failed to write: no checkpoint outlives it
                 metrics.sync()  # a power loss may not keep a checkpoint without the rows up to it
                 path = training_utils.save_checkpoint(
@@ -421,20 +428,6 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
                 log(f"checkpoint: {path}")
                 for removed in checkpointing.prune_checkpoints(run_dir, step, args.keep_last):
                     log(f"removed {removed} (--keep_last {args.keep_last})")
-            except Exception as err:
-                error = err
-                if run_folder.is_no_space(err, run_dir):
-                    failure[0] = (f"run folder {run_dir}: no space left on device while saving {path}; removed the "
-                                  f"partial checkpoint, the last good one is {last_checkpoint or 'none'}",
-                                  run_folder.EXIT_NO_SPACE)
-                else:
-                    failure[0] = (f"rank 0 could not save {path} ({err.__class__.__name__})", 1)
-                run_folder.remove_partial_checkpoints(run_dir)
-        broadcast_from_rank0(failure)
-        if failure[0] is not None:
-            if error is not None and failure[0][1] == 1:
-                raise error  # an unexpected failure: rank 0 shows the traceback
-            raise run_folder.SaveFailed(*failure[0])
         return path
 
     # ---- training loop ----------------------------------------------------------------------------------------

@@ -231,8 +231,9 @@ def main(argv: list[str] | None = None) -> None:
         minimum = 2 if flag == "max_length" else 1
         if getattr(args, flag) < minimum:
             parser.error(f"--{flag} must be >= {minimum}, got {getattr(args, flag)}")
-    for flag in ("num_workers", "workers", "resume_workers"):
-        if min(getattr(args, flag) if flag == "workers" else [getattr(args, flag)]) < 0:
+    for flag, counts in (("num_workers", [args.num_workers]), ("workers", args.workers),
+                         ("resume_workers", [args.resume_workers])):
+        if min(counts) < 0:
             parser.error(f"--{flag} must be >= 0, got {getattr(args, flag)}")
     if args.streaming and args.shards * args.documents_per_shard < args.batch_size:
         parser.error(f"--shards x --documents_per_shard ({args.shards * args.documents_per_shard} documents) must "
