@@ -359,7 +359,7 @@ def test_max_hours_is_one_deadline_for_the_sweep_and_its_probe(tmp_path, monkeyp
     clock = [1000.0]
     deadlines = []
 
-    def fake_run_jobs(specs, settings, runs_dir, records_dir, jobs, fresh, deadline):
+    def fake_run_jobs(specs, settings, runs_dir, records_dir, jobs, fresh, deadline, *rest):
         deadlines.append(deadline)
         clock[0] += 2 * 3600  # the runs take two hours
         return {}, []

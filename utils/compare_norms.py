@@ -168,7 +168,7 @@ def run_specs(args, arms: list[Arm]) -> list[RunSpec]:
             str(s["batch_size"]), "--lr", "1e-3", "--warmup_steps", str(s["warmup"]), "--num_training_steps",
             str(s["steps"]), "--eval_every", str(dynamics[0]), "--eval_tokens", str(s["eval_tokens"]),
             "--grad_clipping", "1.0", "--weight_decay", "0", "--optimizer", "adam", "--workers", "0",
-            "--device", "cpu")
+            "--device", args.device)
     specs = []
     for group in ("core", "precision", "norms", "rivals"):  # the core first: a partial study answers it first
         seeds = s[SEED_KEYS[group]]
@@ -213,9 +213,11 @@ def documents_note(verdict: verdicts.Verdict, what: str) -> verdicts.Verdict:
     return verdict
 
 
-def loss_verdict(records, a: str, b: str, claim: str, direction: int = -1) -> verdicts.Verdict:
-    """b's eval loss against a's, paired by seed; with one shared seed, the held-out loss per document instead."""
-    labels = (ARM_BY_NAME[a].label, ARM_BY_NAME[b].label)
+def loss_verdict(records, a: str, b: str, claim: str, direction: int = -1,
+                 labels: tuple[str, str] | None = None) -> verdicts.Verdict:
+    """b's eval loss against a's, paired by seed; with one shared seed, the held-out loss per document instead.
+    `labels` name the arms (default: the study's labels of arms a and b)."""
+    labels = labels or (ARM_BY_NAME[a].label, ARM_BY_NAME[b].label)
     verdict = verdicts.judge_seeds(claim, direction, values(records, a, "eval_loss"), values(records, b, "eval_loss"),
                                    labels)
     documents = one_shared_seed_documents(records, a, b) if verdict.status == verdicts.NOT_MEASURABLE else None
@@ -226,10 +228,12 @@ def loss_verdict(records, a: str, b: str, claim: str, direction: int = -1) -> ve
                           "the held-out novel's loss (nats/word, not the trainer's eval loss)")
 
 
-def pair_verdicts(records, pre: str, lns: str) -> list[verdicts.Verdict]:
-    labels = (ARM_BY_NAME[pre].label, ARM_BY_NAME[lns].label)
+def pair_verdicts(records, pre: str, lns: str, labels: tuple[str, str] | None = None) -> list[verdicts.Verdict]:
+    """The core claims and the removal claim, arm `lns` against arm `pre` (labelled by `labels`, default the
+    study's labels of the two arms)."""
+    labels = labels or (ARM_BY_NAME[pre].label, ARM_BY_NAME[lns].label)
     loss_claim, _, loss_direction, _ = CORE_CLAIMS[0]
-    found = [loss_verdict(records, pre, lns, loss_claim, loss_direction)]
+    found = [loss_verdict(records, pre, lns, loss_claim, loss_direction, labels)]
     found += [verdicts.judge_seeds(claim, direction, values(records, pre, measure), values(records, lns, measure),
                                    labels, log_ratio=log_ratio)
               for claim, measure, direction, log_ratio in CORE_CLAIMS[1:]]

@@ -20,6 +20,7 @@ probe measures that point: one LNS run at the deepest depth, trained for many mo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -77,12 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None):
     parser = build_parser()
-    args = parser.parse_args(argv)
-    study_lib.resolve_study_args(parser, args, BUDGETS)
-    if args.depths:
-        args.settings["depths"] = tuple(args.depths)
-    if args.seeds:
-        args.settings["seeds"] = tuple(args.seeds)
+    args = study_lib.parse_study_args(parser, argv, BUDGETS, ("depths", "seeds"))
     if any(d < 2 for d in args.settings["depths"]):
         parser.error(f"--depths: every depth must be at least 2, got {args.settings['depths']}")
     if len(set(args.settings["depths"])) < 2:
@@ -90,12 +86,30 @@ def parse_args(argv=None):
     return args
 
 
-def depth_config(args, depth: int) -> str:
-    """The base config with `depth` layers, written under the runs folder; returned relative to the repository
-    when possible, so that records made on another machine still match."""
-    config = json.loads((REPO / BASE_CONFIG).read_text())
-    config["num_hidden_layers"] = depth
-    path = args.runs_dir / "configs" / f"llama_h{config['hidden_size']}_L{depth}.json"
+@dataclasses.dataclass(frozen=True)
+class Axis:
+    """What a sweep varies (depth here, width in utils/width_sweep.py): its values, and how runs and reports name
+    them. The run of a norm type at one value is the arm f"{prefix}{value}-{norm}"."""
+
+    prefix: str  # "L": arms L6-pre, L48-lns
+    symbol: str  # the verdicts' slopes are against ln(symbol)
+    label: str  # the plots' axis label
+    noun: str  # "depth"
+    values: tuple[int, ...]
+
+    def arm(self, value: int, norm: str) -> str:
+        return f"{self.prefix}{value}-{norm}"
+
+
+def depth_axis(args) -> Axis:
+    return Axis("L", "L", "layers L", "depth", tuple(args.settings["depths"]))
+
+
+def write_config(args, name: str, **changes) -> str:
+    """The base config with `changes`, written as `name` under the runs folder; returned relative to the
+    repository when possible, so that records made on another machine still match."""
+    config = {**json.loads((REPO / BASE_CONFIG).read_text()), **changes}
+    path = args.runs_dir / "configs" / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(config, indent=2) + "\n")
     try:
@@ -104,14 +118,24 @@ def depth_config(args, depth: int) -> str:
         return str(path)
 
 
-def train_flags(args, depth: int, steps: int, warmup: int, eval_every: int) -> tuple[str, ...]:
+def depth_config(args, depth: int) -> str:
+    """The base config with `depth` layers."""
+    hidden = json.loads((REPO / BASE_CONFIG).read_text())["hidden_size"]
+    return write_config(args, f"llama_h{hidden}_L{depth}.json", num_hidden_layers=depth)
+
+
+def train_flags(args, depth: int, steps: int, warmup: int, eval_every: int, config: str | None = None
+                ) -> tuple[str, ...]:
+    """The trainer's flags of a sweep run: `config` (default: the base config at `depth` layers) trained with the
+    budget's data, batch and schedule on the study's --device."""
     s = args.settings
-    return ("--model_config", depth_config(args, depth), "--dataset", "embedded", "--tokenizer", "embedded",
+    config = config or depth_config(args, depth)
+    return ("--model_config", config, "--dataset", "embedded", "--tokenizer", "embedded",
             "--packing", "--max_length", str(s["max_length"]), "--batch_size", str(s["batch_size"]),
             "--total_batch_size", str(s["batch_size"]), "--lr", "1e-3", "--warmup_steps", str(warmup),
             "--num_training_steps", str(steps), "--eval_every", str(eval_every), "--eval_tokens",
             str(s["eval_tokens"]), "--grad_clipping", "1.0", "--weight_decay", "0", "--optimizer", "adam",
-            "--workers", "0", "--device", "cpu", "--dtype", "float32")
+            "--workers", "0", "--device", args.device, "--dtype", "float32")
 
 
 def run_specs(args) -> list[RunSpec]:
@@ -174,13 +198,14 @@ def train_loss_between_evals(probe: dict) -> list[float | None]:
 
 
 # ------------------------------------------------------------------------------------------------------ statistics
-def measure_by_depth(records, norm: str, measure: str, depths) -> dict[int, dict[int, float | None]]:
-    """{depth: {seed: value}} at each run's last analysed checkpoint."""
-    return {d: study_lib.by_seed(records, f"L{d}-{norm}", measure) for d in depths}
+def measure_by_value(axis: Axis, records, norm: str, measure: str) -> dict[int, dict[int, float | None]]:
+    """{value: {seed: value of the measure}} at each run's last analysed checkpoint."""
+    return {v: study_lib.by_seed(records, axis.arm(v, norm), measure) for v in axis.values}
 
 
 def slope_by_seed(table: dict[int, dict[int, float | None]], log_values: bool) -> dict[int, float | None]:
-    """Per seed, the least-squares slope of the measure (or its log) against ln L, over the depths it has."""
+    """Per seed, the least-squares slope of the measure (or its log) against ln of the swept value (ln L), over
+    the values it has."""
     seeds = sorted({seed for per_seed in table.values() for seed in per_seed})
     slopes = {}
     for seed in seeds:
@@ -196,41 +221,53 @@ def slope_verdict(claim: str, direction: int, slopes: dict[int, float | None]) -
     return verdicts.judge_seeds(claim, direction, {seed: 0.0 for seed in slopes}, slopes, ("zero", "slope"))
 
 
+def measure_slope_verdicts(axis: Axis, records, predictions) -> list[verdicts.Verdict]:
+    """Per prediction (claim, norm, measure, direction, log), the per-seed slopes of the measure against ln of the
+    swept value, judged against zero."""
+    return [slope_verdict(f"{claim} (slope of {'ln ' if log_values else ''}the measure vs ln {axis.symbol})",
+                          direction, slope_by_seed(measure_by_value(axis, records, norm, measure), log_values))
+            for claim, norm, measure, direction, log_values in predictions]
+
+
+def paired_differences(axis: Axis, records, measure: str, log_ratio: bool = False) -> dict[int, dict[int, float]]:
+    """{value: {seed: LNS − Pre-LN}} (or ln(LNS / Pre-LN)) of a measure, for the seeds where both runs have it."""
+    table = {}
+    for value in axis.values:
+        pre = study_lib.by_seed(records, axis.arm(value, "pre"), measure)
+        lns = study_lib.by_seed(records, axis.arm(value, "lns"), measure)
+        table[value] = {seed: (math.log(lns[seed] / pre[seed]) if log_ratio else lns[seed] - pre[seed])
+                        for seed in pre if pre[seed] is not None and lns.get(seed) is not None
+                        and (not log_ratio or min(pre[seed], lns[seed]) > 0)}
+    return table
+
+
 def depth_verdicts(args, records) -> list[verdicts.Verdict]:
-    depths = args.settings["depths"]
-    found = []
-    for claim, norm, measure, direction, log_values in PREDICTIONS:
-        slopes = slope_by_seed(measure_by_depth(records, norm, measure, depths), log_values)
-        found.append(slope_verdict(f"{claim} (slope of {'ln ' if log_values else ''}the measure vs ln L)",
-                                   direction, slopes))
-    gap = {}
-    for depth in depths:
-        pre = study_lib.by_seed(records, f"L{depth}-pre", "eval_loss")
-        lns = study_lib.by_seed(records, f"L{depth}-lns", "eval_loss")
-        gap[depth] = {seed: pre[seed] - lns[seed] for seed in pre
-                      if pre.get(seed) is not None and lns.get(seed) is not None}
-    found.append(slope_verdict("LNS's advantage (Pre-LN − LNS eval loss) grows with depth (slope vs ln L)", +1,
-                               slope_by_seed(gap, False)))
-    return found
+    axis = depth_axis(args)
+    gap = {depth: {seed: -difference for seed, difference in per_seed.items()}  # Pre-LN − LNS: the advantage
+           for depth, per_seed in paired_differences(axis, records, "eval_loss").items()}
+    return [*measure_slope_verdicts(axis, records, PREDICTIONS),
+            slope_verdict("LNS's advantage (Pre-LN − LNS eval loss) grows with depth (slope vs ln L)", +1,
+                          slope_by_seed(gap, False))]
 
 
-def gap_verdicts(args, records) -> list[verdicts.Verdict]:
-    return [verdicts.judge_seeds(f"L={depth}: LNS reaches a lower eval loss than Pre-LN (LNS − Pre-LN)", -1,
-                                 study_lib.by_seed(records, f"L{depth}-pre", "eval_loss"),
-                                 study_lib.by_seed(records, f"L{depth}-lns", "eval_loss"), ("Pre-LN", "LNS"))
-            for depth in args.settings["depths"]]
+def gap_verdicts(axis: Axis, records) -> list[verdicts.Verdict]:
+    return [verdicts.judge_seeds(f"{axis.symbol}={value}: LNS reaches a lower eval loss than Pre-LN (LNS − Pre-LN)",
+                                 -1, study_lib.by_seed(records, axis.arm(value, "pre"), "eval_loss"),
+                                 study_lib.by_seed(records, axis.arm(value, "lns"), "eval_loss"), ("Pre-LN", "LNS"))
+            for value in axis.values]
 
 
 # ------------------------------------------------------------------------------------------------------ plots
-def plot_against_depth(args, records, path: Path) -> Path:
+def plot_against(axis: Axis, records, path: Path) -> Path:
+    """Every measure at the last checkpoint against the swept value, one line per norm type."""
     plt = study_lib.pyplot()
-    depths = args.settings["depths"]
+    depths = axis.values
     measures = list(study_lib.MEASURES)
     fig, axes = plt.subplots(2, math.ceil(len(measures) / 2), figsize=(4.4 * math.ceil(len(measures) / 2), 7),
                              squeeze=False)
     for ax, measure in zip(axes.flat, measures):
         for norm, label in NORMS.items():
-            table = measure_by_depth(records, norm, measure, depths)
+            table = measure_by_value(axis, records, norm, measure)
             xs, means, errors = [], [], []
             for depth in depths:
                 vals = [v for v in table[depth].values() if v is not None]
@@ -246,13 +283,16 @@ def plot_against_depth(args, records, path: Path) -> Path:
         ax.set_xticks(depths, [str(d) for d in depths])
         ax.set_title(study_lib.MEASURES[measure] + (" (log scale)" if measure == "variance_growth" else ""),
                      fontsize=9)
-        ax.set_xlabel("layers L")
+        ax.set_xlabel(axis.label)
         ax.grid(alpha=0.3)
     return study_lib.finish_grid(fig, axes, len(measures),
-                                 "Final checkpoint against depth (mean over seeds, 95% t-interval)", path)
+                                 f"Final checkpoint against {axis.noun} (mean over seeds, 95% t-interval)", path)
 
 
-def plot_gap(gaps: list[verdicts.Verdict], depths, path: Path) -> Path:
+def plot_gap(gaps: list[verdicts.Verdict], depths, path: Path, xlabel: str = "layers L", noun: str = "depth",
+             ylabel: str = "LNS − Pre-LN eval loss (nats)",
+             title: str = "LNS's loss gap against {noun} (below 0: LNS better)") -> Path:
+    """One verdict per swept value (its effect and interval) against the value."""
     plt = study_lib.pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     points = [(d, v) for d, v in zip(depths, gaps) if v.effect is not None]  # a depth with < 2 pairs has no interval
@@ -264,8 +304,7 @@ def plot_gap(gaps: list[verdicts.Verdict], depths, path: Path) -> Path:
     ax.axhline(0, color="black", linewidth=0.7)
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(depths), [str(d) for d in depths])
-    ax.set(xlabel="layers L", ylabel="LNS − Pre-LN eval loss (nats)",
-           title="LNS's loss gap against depth (below 0: LNS better)")
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title.format(noun=noun))
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=140)
@@ -349,37 +388,44 @@ loss turning up is the overfitting point itself.
 
 
 # ------------------------------------------------------------------------------------------------------ report
+def measures_table(axis: Axis, records) -> str:
+    """Markdown: per swept value and norm type, the mean over seeds of every measure, and each run's best step."""
+    rows = []
+    for value in axis.values:
+        for norm, label in NORMS.items():
+            arm_records = [r for r in records.values() if r["arm"] == axis.arm(value, norm)]
+            if not arm_records:
+                continue
+            cells = [str(value), label, f"{len(arm_records)}"]
+            for measure in study_lib.MEASURES:
+                vals = [v for v in study_lib.by_seed(records, axis.arm(value, norm), measure).values()
+                        if v is not None]
+                cells.append(f"{np.mean(vals):.4f}" if vals else "n/a")
+            best = [min(r["eval_curve"], key=lambda p: p[1])[0] for r in arm_records if r["eval_curve"]]
+            cells.append(", ".join(map(str, best)))
+            rows.append("| " + " | ".join(cells) + " |")
+    header = (f"| {axis.symbol} | norm | runs | " + " | ".join(study_lib.MEASURES.values())
+              + " | step of lowest eval loss |\n|" + "---|" * (len(study_lib.MEASURES) + 4))
+    return "\n".join([header, *rows])
+
+
 def write_report(args, records, skipped, started, argv, probe: dict | None = None) -> Path:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     s = args.settings
     depths = s["depths"]
     predictions = depth_verdicts(args, records)
-    gaps = gap_verdicts(args, records)
+    axis = depth_axis(args)
+    gaps = gap_verdicts(axis, records)
     suffix = s.get("report_suffix", "")  # an extension sharing the default's folder keeps its own files
     probe_text, probe_summary = probe_section(args, probe, out, suffix)
-    by_depth_png = plot_against_depth(args, records, out / f"measures_vs_depth{suffix}.png")
+    by_depth_png = plot_against(axis, records, out / f"measures_vs_depth{suffix}.png")
     gap_png = plot_gap(gaps, depths, out / f"loss_gap_vs_depth{suffix}.png")
     dynamics = {}
     for depth in (depths[0], depths[-1]):
         arms = {f"L{depth}-{n}": f"{label}, L={depth}" for n, label in NORMS.items()}
         dynamics[depth] = study_lib.plot_dynamics(records, arms, out / f"dynamics_L{depth}{suffix}.png")
 
-    rows = []
-    for depth in depths:
-        for norm, label in NORMS.items():
-            arm_records = [r for r in records.values() if r["arm"] == f"L{depth}-{norm}"]
-            if not arm_records:
-                continue
-            cells = [str(depth), label, f"{len(arm_records)}"]
-            for measure in study_lib.MEASURES:
-                vals = [v for v in study_lib.by_seed(records, f"L{depth}-{norm}", measure).values() if v is not None]
-                cells.append(f"{np.mean(vals):.4f}" if vals else "n/a")
-            best = [min(r["eval_curve"], key=lambda p: p[1])[0] for r in arm_records if r["eval_curve"]]
-            cells.append(", ".join(map(str, best)))
-            rows.append("| " + " | ".join(cells) + " |")
-    header = ("| L | norm | runs | " + " | ".join(study_lib.MEASURES.values()) + " | step of lowest eval loss |\n|"
-              + "---|" * (len(study_lib.MEASURES) + 4))
     tokens = s["steps"] * s["batch_size"] * s["max_length"]
     train_tokens = study_lib.embedded_train_tokens()
     specs = run_specs(args)
@@ -414,8 +460,7 @@ contains zero; **opposite** means it excludes zero the other way.
 
 ![measures against depth]({rel(by_depth_png)})
 
-{header}
-{chr(10).join(rows)}
+{measures_table(axis, records)}
 
 "Cheap to remove": removing the layer raises held-out perplexity by less than 1% (ln ratio < {study_lib.CHEAP_REMOVAL_NATS:.5f}).
 Deep = the deeper half of the layers.

@@ -1,8 +1,12 @@
-"""What the CPU studies share (`utils/compare_norms.py`, `utils/depth_sweep.py`).
+"""What the studies share (`utils/compare_norms.py`, `utils/depth_sweep.py`, `utils/width_sweep.py`).
 
 A study is a list of runs (`RunSpec`: an arm, a seed and the trainer's flags). Each run is one job:
 
     torchrun_main.py (a subprocess, one thread)  ->  the analysis tools on each dynamics checkpoint  ->  record
+
+Runs and analyses go to the study's --device: the CPU (the default) or a CUDA GPU. The device is part of a record's
+identity, as the dtype is: the trainer's --device is in its flags and the analyses' device in its analysis settings
+(a record made before the device was recorded was made on the CPU).
 
 The record (`<out>/runs/<arm>-seed<seed>.json`) holds the run's flags, its eval curve, and every analysis at every
 analysed checkpoint, as small numbers. Records live beside the report and are committed with it, so a later
@@ -34,6 +38,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 DTYPE_LABELS = {"float32": "float32", "mixed": "mixed precision"}  # the studies' --dtype, as reports name it
+DEVICES = ("cpu", "cuda")  # the studies' --device
 RECORD_VERSION = 1
 # A layer counts as "cheap to remove" when removing it raises held-out perplexity by less than 1% (0.00995 nats).
 CHEAP_REMOVAL_NATS = math.log(1.01)
@@ -48,6 +53,7 @@ class AnalysisSettings:
     jacobian_tokens: int  # held-out tokens whose block Jacobians are averaged
     jacobian_probes: int  # 0: exact Jacobians; K: K random probes per token (unbiased, about d/K times cheaper)
     removal_documents: int  # held-out documents for the layer-removal sweep
+    device: str = "cpu"  # where the analyses run; records made before it was recorded ran on the CPU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,9 +89,10 @@ def save_every_for(steps: tuple[int, ...]) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------ command line
-def add_study_arguments(parser: argparse.ArgumentParser, budgets: dict) -> None:
-    """The flags both studies share: the named budget, seeds, folders, parallelism and resumption."""
-    parser.add_argument("--budget", default="default", choices=sorted(budgets), help="named budget (see above)")
+def add_study_arguments(parser: argparse.ArgumentParser, budgets: dict,
+                        budget_help: str = "named budget (see above)") -> None:
+    """The flags the studies share: the named budget, seeds, folders, parallelism, resumption, precision, device."""
+    parser.add_argument("--budget", default="default", choices=sorted(budgets), help=budget_help)
     parser.add_argument("--quick", action="store_true", help="same as --budget quick (the CI smoke test)")
     parser.add_argument("--seeds", nargs="+", type=int, default=None, help="override the budget's seeds")
     parser.add_argument("--out", default=None, help="report folder (its runs/ subfolder holds the run records)")
@@ -106,6 +113,10 @@ def add_study_arguments(parser: argparse.ArgumentParser, budgets: dict) -> None:
                              "(avx512_bf16 or AMX) and the slower one without them; float32 computes in fp32 on "
                              "every host, as the committed float32 records did (docs/study.md). The two are "
                              "distinct records")
+    parser.add_argument("--device", default="cpu", choices=DEVICES,
+                        help="where every run trains and is analysed: cpu (the default) or cuda (one GPU; --jobs "
+                             "runs share it). The flags are otherwise the same; CPU and GPU records are distinct, "
+                             "and a GPU setting's default folders end in _cuda")
 
 
 def resolve_study_args(parser: argparse.ArgumentParser, args, budgets: dict) -> None:
@@ -119,14 +130,28 @@ def resolve_study_args(parser: argparse.ArgumentParser, args, budgets: dict) -> 
         parser.error(f"--max_hours must be positive, got {args.max_hours}")
     # one deadline for the whole invocation, however many collect_records calls it makes (the sweep, then its probe)
     args.deadline = None if args.max_hours is None else time.time() + 3600 * args.max_hours
-    if args.dtype == "mixed" and not bf16_instructions():
+    if args.device == "cuda" and not cuda_available():
+        parser.error("--device cuda: no CUDA device is visible on this machine")
+    if args.device == "cpu" and args.dtype == "mixed" and not bf16_instructions():
         print("note: this CPU names no bf16 instructions (avx512_bf16, amx_bf16); --dtype mixed emulates bf16 "
               "products here and trains about 3x slower than --dtype float32 (docs/study.md)", file=sys.stderr)
     # Folders are named from float32 eager, the precision and mode of the records committed before the default
     # became mixed and compiled: those keep their plain names, every other setting gets a suffix.
-    variant = ("" if args.dtype == "float32" else f"_{args.dtype}") + ("_compile" if args.compile else "")
+    variant = (("" if args.dtype == "float32" else f"_{args.dtype}") + ("_compile" if args.compile else "")
+               + ("" if args.device == "cpu" else f"_{args.device}"))
     args.out = Path(args.out or REPO / variant_folder(args.settings["out"], variant))
     args.runs_dir = Path(args.runs_dir or REPO / variant_folder(args.settings["runs_dir"], variant))
+
+
+def parse_study_args(parser: argparse.ArgumentParser, argv, budgets: dict, overrides: tuple[str, ...] = ()):
+    """A study's command line, parsed and resolved (resolve_study_args); each flag named in `overrides` that was
+    given (--seeds, --depths, --widths: lists) replaces the budget's setting of the same name."""
+    args = parser.parse_args(argv)
+    resolve_study_args(parser, args, budgets)
+    for name in overrides:
+        if getattr(args, name):
+            args.settings[name] = tuple(getattr(args, name))
+    return args
 
 
 def variant_folder(folder: str, variant: str) -> Path:
@@ -141,9 +166,16 @@ def variant_folder(folder: str, variant: str) -> Path:
     return path.with_name(path.name + variant)
 
 
-def analysis_settings(settings: dict) -> AnalysisSettings:
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def analysis_settings(settings: dict, device: str = "cpu") -> AnalysisSettings:
     return AnalysisSettings(**{field.name: settings[field.name if field.name != "max_seq_len" else "max_length"]
-                               for field in dataclasses.fields(AnalysisSettings)})
+                               for field in dataclasses.fields(AnalysisSettings) if field.name != "device"},
+                            device=device)
 
 
 def collect_records(args, specs: list[RunSpec]) -> tuple[dict[str, dict], list[RunSpec]]:
@@ -151,13 +183,13 @@ def collect_records(args, specs: list[RunSpec]) -> tuple[dict[str, dict], list[R
     if args.report_only:
         records = saved_records(args, specs)
         return records, [spec for spec in as_trained(args, specs) if spec.name not in records]
-    return run_jobs(as_trained(args, specs), analysis_settings(args.settings), args.runs_dir, args.out / "runs",
-                    args.jobs, args.fresh, args.deadline)
+    return run_jobs(as_trained(args, specs), analysis_settings(args.settings, args.device), args.runs_dir,
+                    args.out / "runs", args.jobs, args.fresh, args.deadline, getattr(args, "keep_checkpoints", True))
 
 
 def saved_records(args, specs: list[RunSpec]) -> dict[str, dict]:
     """The records already saved for `specs`, matched as the study's --dtype and --compile train them; none trained."""
-    return load_records(as_trained(args, specs), analysis_settings(args.settings), args.out / "runs")
+    return load_records(as_trained(args, specs), analysis_settings(args.settings, args.device), args.out / "runs")
 
 
 def as_trained(args, specs: list[RunSpec]) -> list[RunSpec]:
@@ -290,8 +322,20 @@ def read_record(path: Path) -> dict | None:
 
 def record_matches(record: dict | None, spec: RunSpec, settings: AnalysisSettings) -> bool:
     return (record is not None and record.get("version") == RECORD_VERSION and record.get("flags") == spec.flags()
-            and record.get("analysis_settings") == dataclasses.asdict(settings)
+            and recorded_settings(record) == dataclasses.asdict(settings)
             and [int(s) for s in record.get("analyses", {})] == checkpointed_steps(record, spec))
+
+
+def recorded_settings(record: dict) -> dict | None:
+    """A record's analysis settings; one made before the device was recorded was analysed on the CPU."""
+    settings = record.get("analysis_settings")
+    return None if settings is None else {"device": "cpu", **settings}
+
+
+def record_device(record: dict) -> str:
+    """Where a record's run trained: its trainer --device (a record without one was made on the CPU)."""
+    flags = record.get("flags") or []
+    return flags[flags.index("--device") + 1] if "--device" in flags else "cpu"
 
 
 def checkpointed_steps(record: dict, spec: RunSpec) -> list[int]:
@@ -301,8 +345,11 @@ def checkpointed_steps(record: dict, spec: RunSpec) -> list[int]:
 
 
 def run_job(spec: RunSpec, settings: AnalysisSettings, runs_dir: Path, records_dir: Path, env: dict,
-            fresh: bool = False, deadline: float | None = None) -> dict:
-    """Train (unless a finished run with these flags exists), analyse its checkpoints, write its record."""
+            fresh: bool = False, deadline: float | None = None, keep_checkpoints: bool = True) -> dict:
+    """Train (unless a finished run with these flags exists), analyse its checkpoints, write its record.
+
+    Without keep_checkpoints the run's checkpoints are deleted once its record is written (a GPU sweep's widest
+    runs save gigabytes each); the record is all a report reads."""
     record_path = records_dir / f"{spec.name}.json"
     record = read_record(record_path)
     if not fresh and record_matches(record, spec, settings):
@@ -356,10 +403,14 @@ def run_job(spec: RunSpec, settings: AnalysisSettings, runs_dir: Path, records_d
                   analysis_settings=dataclasses.asdict(settings), status=results["status"],
                   last_step=int(results["step"]), final_eval_loss=results.get("final_eval_loss"),
                   diverged_reason=results.get("diverged_reason"), tokens_seen=results.get("tokens_seen"),
-                  train_seconds=float(seconds_file.read_text()), machine=machine_description(),
+                  train_seconds=float(seconds_file.read_text()), machine=machine_description(settings.device),
+                  device=settings.device,
                   analysis_seconds=round(time.perf_counter() - analysis_started, 1),
                   **curves_from_metrics(run_dir / "metrics.jsonl"), analyses=analyses)
     _write_json_atomic(record_path, record)
+    if not keep_checkpoints:
+        for checkpoint in run_dir.glob("model_*"):
+            shutil.rmtree(checkpoint, ignore_errors=True)
     return dict(record, reused="training" if reuse_training else "no")
 
 
@@ -386,7 +437,8 @@ def curves_from_metrics(metrics_path: Path) -> dict:
 
 
 def run_jobs(specs: list[RunSpec], settings: AnalysisSettings, runs_dir: Path, records_dir: Path, jobs: int,
-             fresh: bool = False, deadline: float | None = None) -> tuple[dict[str, dict], list[RunSpec]]:
+             fresh: bool = False, deadline: float | None = None,
+             keep_checkpoints: bool = True) -> tuple[dict[str, dict], list[RunSpec]]:
     """Every job, `jobs` at a time, one thread each; returns the records and the specs skipped at the deadline.
 
     No run starts after `deadline` (a Unix time), so every run that starts also finishes. A job that fails is
@@ -399,8 +451,8 @@ def run_jobs(specs: list[RunSpec], settings: AnalysisSettings, runs_dir: Path, r
     records, skipped, failures = {}, [], []
     with ThreadPoolExecutor(max_workers=jobs) as pool, \
             tqdm(total=len(specs), desc="runs (train + analyse)", unit="run", dynamic_ncols=True) as bar:
-        futures = {pool.submit(run_job, spec, settings, runs_dir, records_dir, env, fresh, deadline): spec
-                   for spec in specs}
+        futures = {pool.submit(run_job, spec, settings, runs_dir, records_dir, env, fresh, deadline,
+                               keep_checkpoints): spec for spec in specs}
         for future in as_completed(futures):  # the bar counts reused records at once, not in submission order
             spec = futures[future]
             try:
@@ -462,7 +514,7 @@ def analyse_checkpoint(checkpoint: Path, settings: AnalysisSettings, out_dir: Pa
     import layer_remove
     from utils import angular_analysis, jacobian_analysis, variance_analysis
 
-    text = ["--dataset", "embedded", "--max_seq_len", str(settings.max_seq_len), "--device", "cpu",
+    text = ["--dataset", "embedded", "--max_seq_len", str(settings.max_seq_len), "--device", settings.device,
             "--dtype", "float32"]
     _tool(variance_analysis.main, ["--model_paths", str(checkpoint), "--labels", checkpoint.name, *text,
                                    "--num_tokens", str(settings.stream_tokens), "--output_dir",
@@ -477,7 +529,7 @@ def analyse_checkpoint(checkpoint: Path, settings: AnalysisSettings, out_dir: Pa
     with (out_dir / "jacobian" / "jacobian.csv").open() as handle:  # columns fixed by the tool's contract
         jacobian = sorted(csv.DictReader(handle), key=lambda row: int(row["layer"]))
     _tool(layer_remove.main, ["--model_path", str(checkpoint), "--sweep", "--tasks", "heldout_novel_ppl",
-                              "--task_max_documents", str(settings.removal_documents), "--device", "cpu",
+                              "--task_max_documents", str(settings.removal_documents), "--device", settings.device,
                               "--dtype", "float32", "--max_seq_len", str(settings.max_seq_len), "--per_document",
                               "--output_dir", str(out_dir / "removal")], log)
     rows = json.loads((out_dir / "removal" / "layer_removal.json").read_text())["rows"]
@@ -722,9 +774,15 @@ def records_machines(records: dict[str, dict]) -> str:
     return "; ".join(made) or "no records yet"
 
 
-def machine_description() -> str:
-    return (f"{platform.machine()}, {cpu_model_name()}, {os.cpu_count()} cores, bf16 instructions: "
+def machine_description(device: str = "cpu") -> str:
+    """The host; with device "cuda", its GPU first."""
+    host = (f"{platform.machine()}, {cpu_model_name()}, {os.cpu_count()} cores, bf16 instructions: "
             f"{', '.join(bf16_instructions()) or 'none'}, Python {platform.python_version()}")
+    if device != "cuda":
+        return host
+    import torch
+
+    return f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda}) on {host}"
 
 
 def embedded_train_tokens() -> int:
