@@ -5,13 +5,8 @@
 Single process:  python torchrun_main.py --model_config configs/llama_tiny.json --dataset embedded --batch_size 8 ...
 Several:         torchrun --nproc_per_node 4 torchrun_main.py ...   (nccl on GPU, gloo on CPU)
 
-Exit codes:
-    0  finished
-    1  an unexpected error (a traceback); on several ranks, all exit 1 when rank 0 fails to save
-    2  bad input: command line, checkpoint, a malformed file in the run folder, or a run folder held by
-       another process
-    3  diverged: NaN/inf loss, grad norm or weights, or --divergence_loss (results.json); nothing non-finite is saved
-    4  no space left on device (one line naming the run folder; the partial checkpoint is removed, earlier ones kept)
+Exit codes (docs/reliability.md#exit-codes): 0 finished, 1 error, 2 bad input, 3 diverged, 4 no space left,
+5 stopped by SIGTERM/SIGUSR1 after saving, 6 out of memory.
 
 The run folder (peft_pretraining/run_folder.py) is locked by rank 0 for the whole run, recovered at start-up after a
 crash, and holds one history: resuming from step k moves the folder's later checkpoints into superseded/.
@@ -21,6 +16,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import time
 
@@ -221,6 +217,37 @@ class HeldFailure:
             raise self.error
 
 
+class StopRequest:
+    """SIGTERM or SIGUSR1, as a scheduler sends them before a time limit or a preemption: noted here, and acted on
+    where the ranks next meet (the update's closing all-reduce), so every rank finishes the same update, the run
+    saves, writes results.json with status "stopped" and exits 5. Handlers are restored when the run ends."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self, on_exit: contextlib.ExitStack):
+        self.signal_name = None
+        for stop_signal in self.SIGNALS:
+            previous = signal.signal(stop_signal, self._note)
+            on_exit.callback(signal.signal, stop_signal, previous)
+
+    def _note(self, signum, frame):
+        self.signal_name = signal.Signals(signum).name
+
+
+def out_of_memory_message(args, rank: int, world_size: int) -> str:
+    """What to change, in one line: the same total batch in smaller micro-batches, or activation checkpointing."""
+    smaller = args.batch_size // 2
+    advice = (f"--batch_size {smaller} keeps --total_batch_size {args.total_batch_size} with accumulation "
+              f"{args.gradient_accumulation * 2}" if smaller >= 1 and args.batch_size % 2 == 0 else "")
+    if not args.activation_checkpointing:
+        advice += (" or " if advice else "") + "--activation_checkpointing"
+    last = args_utils.find_checkpoint(args.save_dir) if args.save_dir and os.path.isdir(args.save_dir) else None
+    where = f"rank {rank}: " if world_size > 1 else ""
+    return (f"{where}out of memory with --batch_size {args.batch_size} (--dtype {args.dtype}); "
+            f"{'try ' + advice if advice else 'a smaller model or more devices'}; last good checkpoint: "
+            f"{last or 'none'}")
+
+
 def autocast_for(args, device):
     if args.dtype == "mixed":
         return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
@@ -247,6 +274,14 @@ def main(argv=None) -> int:
         with contextlib.ExitStack() as on_exit:  # releases the run folder's lock however the run ends
             code = train(args, rank, world_size, device, on_exit)
         dist.barrier()  # torchrun stops every rank once one exits non-zero: leave after rank 0 wrote results.json
+    except torch.OutOfMemoryError:
+        # Printed by every rank that ran out (rank 0 may not be one of them). The other ranks of a multi-rank run
+        # wait in a collective for this one, so it leaves at once and torchrun stops them.
+        print(f"torchrun_main.py: error: {out_of_memory_message(args, rank, world_size)}", file=sys.stderr, flush=True)
+        if world_size > 1:
+            sys.stdout.flush()
+            os._exit(report_exit_code(training_utils.EXIT_OUT_OF_MEMORY))
+        code = training_utils.EXIT_OUT_OF_MEMORY
     except (BadInput, training_utils.CheckpointError) as err:
         code = error(err, 2)
     except run_folder.SaveFailed as err:  # raised on every rank, with the code rank 0 chose
@@ -287,6 +322,10 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
                            f"this run has {world_size} (the data position is per rank)")
         if resume_state["update_step"] >= args.num_training_steps and not unfinished_last_checkpoint(args,
                                                                                                 resume_state):
+            if args.resume == "auto":  # a requeued job whose run has finished
+                log(f"--resume auto: {args.save_dir} already finished at step {resume_state['update_step']}; "
+                    f"nothing to do")
+                return 0
             raise BadInput(f"--num_training_steps {args.num_training_steps}: the checkpoint is already at step "
                            f"{resume_state['update_step']}")
     sharded = resume_state is not None and resume_state.get("sharded")
@@ -377,6 +416,7 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
 
     autocast = autocast_for(args, device)
     rank0_writes = HeldFailure()
+    stop = StopRequest(on_exit)
 
     eval_batches: list[dict] = []  # this rank's share of the eval set, read once (each rank tokenizes all of it)
 
@@ -434,10 +474,12 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
     log(f"training {args.num_training_steps - update_step} updates of {args.total_batch_size} sequences x "
         f"{args.max_length} tokens (batch {args.batch_size} x accumulation {args.gradient_accumulation} x "
         f"world {world_size}); run folder {run_dir}")
-    bar = tqdm(total=args.num_training_steps, initial=update_step, desc="update steps", ncols=100,
-               disable=not is_main)
+    # Closed however the run ends, so that an error message gets a line of its own.
+    bar = on_exit.enter_context(tqdm(total=args.num_training_steps, initial=update_step, desc="update steps",
+                                     ncols=100, disable=not is_main))
     status, last_eval, diverged_reason = "finished", None, None
     last_checkpoint = args.continue_from  # the last good checkpoint of this history, None until one is saved
+    first_compiled_step = update_step + 1
     train_model.train()
     while update_step < args.num_training_steps:
         update_start = time.perf_counter()
@@ -468,10 +510,13 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
                     loss = train_model(**batch).loss
                 (loss * (share * world_size)).backward()  # DDP and FSDP average gradients over the ranks
             loss_sum += loss.detach().double() * share
-        # One small all-reduce per update: the token-weighted mean loss, and the tokens of all ranks.
-        update_stats = torch.stack([loss_sum, tokens_in_update.double()])
+        # One small all-reduce per update: the token-weighted mean loss, the tokens of all ranks, and whether any rank
+        # was asked to stop (so that all stop after this same update).
+        stop_noted = torch.tensor(float(stop.signal_name is not None), dtype=torch.float64, device=device)
+        update_stats = torch.stack([loss_sum, tokens_in_update.double(), stop_noted])
         dist.all_reduce(update_stats)
         step_loss, step_tokens = update_stats[0].item(), int(update_stats[1].item())
+        stopping = update_stats[2].item() > 0
         grad_norm = training_utils.grad_norm_and_clip(train_model.parameters(), args.grad_clipping)
         lr = optimizer.param_groups[0]["lr"]
 
@@ -497,7 +542,11 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
         tokens_seen += step_tokens
         row = {"step": update_step, "loss": step_loss, "lr": lr, "grad_norm": grad_norm, "tokens_seen": tokens_seen,
                "tokens_per_s": step_tokens / (time.perf_counter() - update_start)}
-        saving = update_step % args.save_every == 0 or update_step == args.num_training_steps
+        if args.compile and update_step == first_compiled_step:
+            log(f"torch.compile: the first update took {time.perf_counter() - update_start:.1f} s, compilation "
+                f"included")
+        stopping = stopping and update_step < args.num_training_steps  # the last update finishes the run anyway
+        saving = update_step % args.save_every == 0 or update_step == args.num_training_steps or stopping
         if saving and not training_utils.parameters_finite(model, device):
             status, diverged_reason = "diverged", f"non-finite weights after update step {update_step}"
             row["diverged"] = diverged_reason
@@ -521,12 +570,19 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
             break
         if saving:
             last_checkpoint = save(update_step)
+        if stopping:
+            status = "stopped"
+            log(f"{stop.signal_name or 'a stop signal (on another rank)'}: stopped after update step {update_step}; "
+                f"the same command with --resume auto (or --continue_from {run_dir}) continues the run")
+            break
     bar.close()
     stream.close()
     if last_eval is None and status == "finished":  # resumed at the last step: the results were never written
         last_eval = dict(run_eval(), step=update_step)
 
     # ---- results: written by rank 0; every rank leaves with its outcome -------------------------------------------
+    exit_code = {"finished": 0, "diverged": training_utils.EXIT_DIVERGED,
+                 "stopped": training_utils.EXIT_STOPPED}[status]
     with failure_shared_by_every_rank(run_dir):
         if is_main:
             rank0_writes.raise_held()  # a row of the last update that rank 0 failed to write
@@ -540,6 +596,7 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
                 "eval_tokens": last_eval["eval_tokens"] if status == "finished" else None,
                 "tokens_seen": tokens_seen,
                 "diverged_reason": diverged_reason,
+                "stop_signal": stop.signal_name if status == "stopped" else None,
                 "norm_type": config.norm_type,
                 "post_num": config.post_num,
                 "model_config": args.model_config,
@@ -554,7 +611,7 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
             wandb_dir = wandb_run.dir if wandb_run is not None else None
             if wandb_run is not None:
                 wandb_run.summary.update({k: v for k, v in results.items() if v is not None})
-                wandb_run.finish(exit_code=training_utils.EXIT_DIVERGED if status == "diverged" else 0)
+                wandb_run.finish(exit_code=exit_code)
             print(f"\nstatus:     {status} at update step {update_step}"
                   + (f" ({diverged_reason})" if diverged_reason else "")
                   + (f"\neval:       loss {results['final_eval_loss']:.4f}, ppl {results['final_eval_ppl']:.2f} over "
@@ -565,7 +622,7 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
                   + f"\ncheckpoint: {last_checkpoint or 'none'}"
                   + (f"\nwandb:      {wandb_dir} ({training_utils.wandb_mode()})" if wandb_dir else ""),
                   flush=True)
-    return training_utils.EXIT_DIVERGED if status == "diverged" else 0
+    return exit_code
 
 
 if __name__ == "__main__":

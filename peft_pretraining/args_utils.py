@@ -145,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="after each successful save, delete all but the newest N checkpoints (default: keep all)")
     run.add_argument("--continue_from", type=str, default=None,
                      help="checkpoint folder (model_<step>) or a run folder (its latest checkpoint) to resume")
+    run.add_argument("--resume", type=str.lower, default=None, choices=("auto",),
+                     help="auto: resume --save_dir's latest checkpoint if it has one, else start there afresh; the "
+                          "same command serves a job's first launch and its requeues (default --save_dir: "
+                          "runs/<run_name>)")
     run.add_argument("--run_name", type=str, default=None)
     run.add_argument("--tags", type=str, default=None, help="comma-separated wandb tags")
     run.add_argument("--wandb_project", type=str, default="cod")
@@ -158,7 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     system.add_argument("--device", type=str, default="auto", help="auto | cpu | cuda")
     system.add_argument("--fsdp", action="store_true", help="shard with FSDP2 fully_shard instead of DDP")
     system.add_argument("--compile", action="store_true",
-                        help="run the wrapped model through torch.compile (see utils/benchmark_model.py)")
+                        help="run the wrapped model through torch.compile (the paper's GPU recipes pass it; see "
+                             "utils/benchmark_model.py)")
+    system.add_argument("--no_compile", dest="compile", action="store_false",
+                        help="eager, overriding an earlier --compile (run_*.sh compile by default on CUDA)")
     system.add_argument("--dist_timeout_minutes", type=float, default=DEFAULT_TIMEOUT_MINUTES,
                         help="how long a collective waits for the slowest rank before the run fails (the default "
                              "covers rank 0 writing a 1B checkpoint to a slow disk)")
@@ -303,6 +310,20 @@ def check_saved_config(parser, path: str, saved: dict):
         parser.error(f"--continue_from: {path} has post_num {post_num!r}, not an integer")
 
 
+def resolve_resume_auto(args, parser):
+    """--resume auto: --continue_from --save_dir when it holds a checkpoint; else a fresh start into it."""
+    if args.continue_from is not None:
+        parser.error("--resume auto and --continue_from exclude each other (--resume auto finds the checkpoint in "
+                     "--save_dir)")
+    if args.save_dir is None:
+        if args.run_name is None:
+            parser.error("--resume auto needs --save_dir, or --run_name for runs/<run_name>: a requeued job must "
+                         "find the same folder")
+        args.save_dir = os.path.join("runs", args.run_name)
+    if os.path.isdir(args.save_dir) and find_checkpoint(args.save_dir) is not None:
+        args.continue_from = args.save_dir
+
+
 def check_args(args, parser, world_size: int):
     """Validate and fill derived values; every failure is parser.error (exit 2, one line naming the flag)."""
     args.dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(args.dtype, args.dtype)
@@ -316,6 +337,8 @@ def check_args(args, parser, world_size: int):
         parser.error(f"--divergence_loss must be positive (it would stop every run at its first update), got "
                      f"{args.divergence_loss:g}")
 
+    if args.resume == "auto":
+        resolve_resume_auto(args, parser)
     if args.continue_from is not None:
         checkpoint = find_checkpoint(args.continue_from)
         if checkpoint is None and os.path.isfile(os.path.join(args.continue_from, "metrics.jsonl")):

@@ -33,6 +33,7 @@ import os
 import pathlib
 import re
 import shutil
+import signal
 import tempfile
 import warnings
 import zlib
@@ -606,6 +607,13 @@ class _ErrorsAsItems(torch.utils.data.IterableDataset):
             yield _WorkerError(str(error))
 
 
+def _leave_stop_signals_to_the_trainer(worker_id: int):
+    """A scheduler may signal every process of a job: a worker killed by SIGTERM or SIGUSR1 would crash the trainer,
+    which is finishing its update to save. Workers end when the trainer closes the loader (or exits)."""
+    for stop_signal in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(stop_signal, signal.SIG_IGN)
+
+
 def _raise_worker_errors(items):
     """Re-raise a worker's ValueError with its own one-line message (bad data names the flag, as without workers)."""
     for item in items:
@@ -691,7 +699,8 @@ class TrainStream:
             return chunks
         return _raise_worker_errors(torch.utils.data.DataLoader(_ErrorsAsItems(chunks), batch_size=None,
                                                                 num_workers=self.effective_workers,
-                                                                collate_fn=_keep_as_is))
+                                                                collate_fn=_keep_as_is,
+                                                                worker_init_fn=_leave_stop_signals_to_the_trainer))
 
     def _documents(self):
         """(tokens, cursor) from the current position; `cursor` locates the document for _position_*."""

@@ -318,17 +318,51 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
+# The one place where the MLP's GEMM shapes depend on the device. On CUDA a bf16 GEMM with a width that is not a
+# multiple of 8 misses the tensor-core kernels: the 1B config's intermediate_size 5461 made each eager MLP GEMM about
+# 8x slower on an H100 (docs/benchmarks.md). Such a width is padded with zero units, at compute time only, to a
+# multiple of MLP_PAD_MULTIPLE: weights, checkpoints and the HF export keep the config's width. torch.compile pads
+# such shapes itself, so compiled code takes the plain path.
+MLP_PAD_DEVICES = ("cuda",)
+MLP_PAD_MULTIPLE = 64
+
+
+def mlp_pad_units(intermediate_size: int) -> int:
+    """Zero units that bring a width that is not a multiple of 8 up to a multiple of MLP_PAD_MULTIPLE (else 0)."""
+    if intermediate_size % 8 == 0:
+        return 0
+    return -intermediate_size % MLP_PAD_MULTIPLE
+
+
 class MLP(nn.Module):
-    """SwiGLU."""
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
 
     def __init__(self, config):
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.pad_units = mlp_pad_units(config.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pad_units and x.device.type in MLP_PAD_DEVICES and not torch.compiler.is_compiling() \
+                and self._projections_are_plain():
+            return self._padded_forward(x)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def _projections_are_plain(self) -> bool:
+        """Padding reads the weights directly, so it steps aside for anything that wraps or hooks a projection
+        (LoRA, forward hooks): those then see the plain calls."""
+        return all(type(linear) is nn.Linear and not linear._forward_hooks and not linear._forward_pre_hooks
+                   for linear in (self.gate_proj, self.up_proj, self.down_proj))
+
+    def _padded_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The same function: a zero unit's gate and up are 0, silu(0) * 0 = 0, and its zero down column adds 0;
+        the gradient of the padding is dropped by F.pad's backward."""
+        rows, columns = (0, 0, 0, self.pad_units), (0, self.pad_units)
+        gate = F.linear(x, F.pad(self.gate_proj.weight, rows))
+        up = F.linear(x, F.pad(self.up_proj.weight, rows))
+        return F.linear(F.silu(gate) * up, F.pad(self.down_proj.weight, columns))
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -36,6 +36,8 @@ from peft_pretraining.checkpointing import SHARDED_DIR, copy_safetensors_into
 
 CHECKPOINT_FORMAT = 1
 EXIT_DIVERGED = 3
+EXIT_STOPPED = 5  # SIGTERM or SIGUSR1: the update finished, a checkpoint saved; the same command resumes it
+EXIT_OUT_OF_MEMORY = 6  # the device ran out of memory; the last good checkpoint is kept
 
 
 class CheckpointError(RuntimeError):

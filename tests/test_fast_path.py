@@ -133,13 +133,67 @@ def test_padded_positions_stay_finite(with_mask):
     assert torch.isfinite(out.logits).all() and torch.isfinite(out.loss)
 
 
-def test_compiled_model_has_no_graph_break():
-    model = LlamaForCausalLM(build_config(TINY)).train()
+@pytest.mark.parametrize("norm_type", modeling_llama.NORM_TYPES)
+def test_compiled_model_has_no_graph_break(norm_type):
+    """Every placement, in fp32 (SDPA: the kernel CUDA runs) and under bf16 autocast (CPU's plain attention), with and
+    without the padding mask: run_*.sh compile by default on CUDA."""
+    config = build_config(TINY, norm_type=norm_type, post_num=1 if norm_type == "post_pre" else 0)
+    config.num_hidden_layers = 2
+    model = LlamaForCausalLM(config).train()
     inputs = batch(padded=True)
-    for kwargs in (inputs, {k: v for k, v in inputs.items() if k != "attention_mask"}):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            explanation = torch._dynamo.explain(model)(**kwargs)
-        assert explanation.graph_break_count == 0, explanation.break_reasons
+    for autocast in (contextlib.nullcontext(), torch.autocast("cpu", dtype=torch.bfloat16)):
+        for kwargs in (inputs, {k: v for k, v in inputs.items() if k != "attention_mask"}):
+            torch._dynamo.reset()
+            with autocast:
+                explanation = torch._dynamo.explain(model)(**kwargs)
+            assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+@pytest.mark.parametrize("width, pad", [(5461, 43), (2048, 0), (2736, 0), (173, 19), (64, 0)])
+def test_mlp_pads_only_widths_that_miss_the_gemm_alignment(width, pad):
+    assert modeling_llama.mlp_pad_units(width) == pad
+    assert (width + pad) % (modeling_llama.MLP_PAD_MULTIPLE if pad else 8) == 0
+
+
+def test_padded_mlp_computes_the_unpadded_function(monkeypatch):
+    """The 1B width (5461) is padded with zero units on CUDA; forced on here, outputs and every weight's gradient
+    equal the unpadded MLP's to fp32 rounding, and the weights keep the config's shape."""
+    config = build_config(TINY)
+    config.hidden_size, config.intermediate_size = 48, 173
+    mlp = modeling_llama.MLP(config)
+    for linear in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        torch.nn.init.normal_(linear.weight, std=0.2)
+    x = torch.randn(4, 9, 48, generator=torch.Generator().manual_seed(1), requires_grad=True)
+
+    def output_and_grads():
+        mlp.zero_grad()
+        x.grad = None
+        out = mlp(x)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return [out.detach(), x.grad] + [p.grad for p in mlp.parameters()]
+
+    plain = output_and_grads()
+    padded_calls = []
+    monkeypatch.setattr(modeling_llama, "MLP_PAD_DEVICES", ("cpu",))
+    monkeypatch.setattr(mlp, "_padded_forward", lambda h: padded_calls.append(1) or
+                        modeling_llama.MLP._padded_forward(mlp, h))
+    padded = output_and_grads()
+    assert padded_calls, "the padded path did not run"
+    assert [p.shape for p in mlp.parameters()] == [(173, 48), (173, 48), (48, 173)]
+    for want, got in zip(plain, padded):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_padded_mlp_steps_aside_for_hooks(monkeypatch):
+    """A hook (or LoRA's wrapper) on a projection must see its call: the padded path reads weights directly."""
+    config = build_config(TINY)
+    config.hidden_size, config.intermediate_size = 48, 173
+    mlp = modeling_llama.MLP(config)
+    monkeypatch.setattr(modeling_llama, "MLP_PAD_DEVICES", ("cpu",))
+    seen = []
+    mlp.up_proj.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    mlp(torch.randn(2, 3, 48))
+    assert seen == [(2, 3, 173)]
 
 
 def test_compiled_step_reads_the_rope_tables_instead_of_computing_them():
