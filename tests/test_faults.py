@@ -42,7 +42,7 @@ if os.environ.get("FAULT_STAGE"):
     import faulthandler, signal, time
     import torch
 
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that times out asks for every thread's stack
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # a test that times out asks for every thread's stack (SIGUSR1 stops the trainer)
     from peft_pretraining import training_utils
 
     stage, fault_step = os.environ["FAULT_STAGE"], int(os.environ.get("FAULT_STEP", "0"))
@@ -588,7 +588,7 @@ def run_two_ranks(tmp_path: Path, args: list, **faults) -> list[tuple[int, str]]
     except subprocess.TimeoutExpired:
         for proc in ranks:
             if proc.poll() is None:
-                proc.send_signal(signal.SIGUSR1)  # the stacks of where it waits, into its stderr
+                proc.send_signal(signal.SIGUSR2)  # the stacks of where it waits, into its stderr
         time.sleep(3)
         for proc in ranks:
             proc.kill()

@@ -1,4 +1,5 @@
 """The run scripts as a user calls them: exit codes through torchrun, and the GPU tools' refusal on a CPU machine."""
+import argparse
 import json
 import os
 import subprocess
@@ -33,6 +34,7 @@ def test_run_tiny_under_torchrun_exits_3_on_divergence_with_results_written(tmp_
 
 
 @pytest.mark.parametrize("command", [["bash", "utils/gpu_smoke.sh", "{out}"],
+                                     ["bash", "utils/gpu_check.sh", "{out}"],
                                      [sys.executable, "utils/benchmark_gpu.py", "--json", "{out}"]])
 def test_gpu_tools_refuse_a_machine_without_cuda_in_one_line(command, tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable)
@@ -60,3 +62,40 @@ def test_benchmark_gpu_refuses_bad_counts_before_any_gpu_work(flag, value, monke
                             "--dtypes", "mixed", flag, value])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1 and flag in err, err[-2000:]
+
+
+def test_gpu_check_report_reads_the_trainers_rows_and_judges_the_targets(tmp_path):
+    """The GPU check's arithmetic, on rows as the trainer writes them: warm-up updates excluded, MFU over every
+    position, real tokens beside it, and each target of issue 38 judged from its stage (or '-' when it did not run)."""
+    from utils import gpu_check
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    update_s, real_tokens = [30.0, 9.0, 2.0, 2.0, 2.5, 2.0], 110_000  # compilation in the first two updates
+    rows, seen = [], 0
+    for step, seconds in enumerate(update_s, start=1):
+        seen += real_tokens
+        rows.append({"step": step, "loss": 5.0, "tokens_seen": seen, "tokens_per_s": real_tokens / seconds})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rates = gpu_check.trainer_rates(gpu_check.read_rows(run_dir), REPO / "configs/llama_1b.json", peak_tflops=989)
+    assert rates["timed_updates"] == 4 and rates["update_s"] == pytest.approx(2.0, abs=1e-3)
+    assert rates["positions_per_s"] == round(512 * 256 / 2.0)
+    config = argparse.Namespace(**json.loads((REPO / "configs/llama_1b.json").read_text()))
+    assert rates["mfu"] == pytest.approx(512 * 256 / 2.0 * gpu_check.model_flops_per_token(config, 256) / 989e12,
+                                         abs=1e-3)
+    assert rates["tokens_per_s"] == round(real_tokens / 2.0)
+
+    stages = {"env": {"ok": True, "device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0"},
+              "recipe_1b_pre": dict(ok=True, **rates),
+              "recipe_130m_pre": {"ok": False, "timed_updates": 0},
+              "eager_1b": {"ok": True, "rows": [{"config": "llama_1b.json", "compiled": False, "tokens_per_s": 50_000}]},
+              "bare_steps": {"ok": True, "rows": [{"config": "llama_1b.json", "compiled": True,
+                                                   "tokens_per_s": rates["positions_per_s"] * 1.02}]}}
+    gpu_check.write_report(tmp_path, stages, "bash utils/gpu_check.sh out")
+    judged = {what: met for what, _, _, met in gpu_check.verdicts(stages)}
+    assert judged["run_1b.sh pre: MFU"] == (rates["mfu"] >= 0.5) and judged["run_130m.sh pre: MFU"] is None
+    assert judged["eager 1B step: x the 18.6K tok/s of b0de76d"] is True  # 50K / 18.6K = 2.69
+    assert judged["run_1b.sh pre: positions/s over the bare compiled step's"] is True  # 1 / 1.02 = 0.98
+    report = (tmp_path / "gpu_check.md").read_text()
+    assert "| recipe_130m_pre | **FAILED** |" in report and "NVIDIA H100" in report
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["stages"]["recipe_1b_pre"]["mfu"] == rates["mfu"]
