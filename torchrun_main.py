@@ -5,7 +5,7 @@
 Single process:  python torchrun_main.py --model_config configs/llama_tiny.json --dataset embedded --batch_size 8 ...
 Several:         torchrun --nproc_per_node 4 torchrun_main.py ...   (nccl on GPU, gloo on CPU)
 
-Exit codes (docs/reliability.md#exit-codes): 0 finished, 1 error, 2 bad input, 3 diverged, 4 no space left,
+Exit codes (docs/training.md#exit-codes): 0 finished, 1 error, 2 bad input, 3 diverged, 4 no space left,
 5 stopped by SIGTERM/SIGUSR1 after saving, 6 out of memory.
 
 The run folder (peft_pretraining/run_folder.py) is locked by rank 0 for the whole run, recovered at start-up after a

@@ -335,12 +335,13 @@ def flag_errors(path: Path) -> list[str]:
 # ----------------------------------------------------------------------------------------------------------------
 # Flags named outside a command
 # ----------------------------------------------------------------------------------------------------------------
-# Flags of tools that are not ours, shown in the docs: torchrun's rendezvous, lm-eval's CLI, pytest, and the reference
-# code's own flags quoted in docs/differences.md.
+# Flags of tools that are not ours, shown in the docs: torchrun's rendezvous, lm-eval's CLI, pytest, SLURM's sbatch,
+# and the reference code's own flags quoted in docs/differences.md.
 OUTSIDE_FLAGS = {
     "--nnodes", "--nproc_per_node", "--rdzv_backend", "--rdzv_endpoint", "--rdzv_id", "--standalone",  # torchrun
     "--model", "--model_args", "--include_path", "--tasks", "--limit",  # lm_eval
     "--durations",  # pytest
+    "--gres", "--time", "--requeue", "--signal",  # SLURM's sbatch
     "--beta1", "--use_hf_model", "--name",  # the reference code
 }
 FLAG_NAME = re.compile(r"(?<![\w-])(--[A-Za-z][\w-]*)")

@@ -10,7 +10,7 @@
 #   Signals        SIGTERM or SIGUSR1 (a scheduler's time limit or preemption) make every rank finish its update,
 #                  save and exit 5; the same command with --resume auto continues the run exactly
 #                  (utils/launch_trainer.sh, docs/reliability.md).
-# Exit code: docs/reliability.md#exit-codes (each rank's own code, read back by utils/launch_trainer.sh).
+# Exit code: docs/training.md#exit-codes (each rank's own code, read back by utils/launch_trainer.sh).
 if [[ $# -eq 0 ]]; then
     echo "$script: error: usage: bash $script NORM_TYPE [POST_NUM] [extra torchrun_main.py flags]" >&2
     exit 2

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run a trainer command and exit with the trainer's own code (docs/reliability.md#exit-codes).
+# Run a trainer command and exit with the trainer's own code (docs/training.md#exit-codes).
 #   bash utils/launch_trainer.sh torchrun --standalone --nproc_per_node 8 torchrun_main.py --flag value ...
 #   bash utils/launch_trainer.sh python torchrun_main.py --flag value ...
 # torchrun reports any failed rank as exit code 1, so every rank writes its code into a fresh folder on its own node
@@ -22,11 +22,11 @@ for signal_name in TERM USR1 INT; do
     # shellcheck disable=SC2064  # the signal's name is fixed now; the launcher's PID is known now
     trap "kill -$signal_name $launcher 2>/dev/null" "$signal_name"
 done
-while true; do
-    wait "$launcher"
-    launcher_code=$?
-    if ! kill -0 "$launcher" 2>/dev/null; then break; fi  # a trapped signal ended the wait, not the launcher
-done
+# Polled rather than waited on: a trap runs between two sleeps, and the launcher's code is read once it is gone
+# (a `wait` that a trapped signal ends returns the signal's number, not the launcher's code).
+while kill -0 "$launcher" 2>/dev/null; do sleep 0.2; done
+wait "$launcher"
+launcher_code=$?
 if [[ $launcher_code -eq 0 ]]; then exit 0; fi
 trainer_code=$(cat "$codes"/rank* 2>/dev/null | sort -n | tail -n 1)
 if [[ -n $trainer_code && $trainer_code -ne 0 ]]; then exit "$trainer_code"; fi
