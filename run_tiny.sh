@@ -4,7 +4,8 @@
 # Writes runs/tiny_<norm>-<time>/ (metrics.jsonl, results.json, loss_curve.png, norm_gains.png, model_<step>/)
 # and prints the paths.
 # PYTHON picks the interpreter (default: python); NPROC=2 runs two CPU processes through torchrun (gloo).
-# On a busy machine OMP_NUM_THREADS=1 is much faster (threads of one process stop waiting on each other).
+# One thread per process unless OMP_NUM_THREADS says otherwise: at this size a second thread buys nothing on an
+# idle machine, and beside other work it is much slower (threads of one process wait on each other).
 # Exit code: 0 finished, 1 error, 2 bad input, 3 diverged, 4 disk full (read back from the ranks by
 # utils/launch_trainer.sh).
 set -euo pipefail
@@ -19,10 +20,11 @@ if [[ ${norm_type,,} == post_pre ]]; then run_name+="_post$post_num"; fi
 nproc=${NPROC:-1}
 python=${PYTHON:-python}
 export WANDB_MODE=${WANDB_MODE:-disabled}  # a smoke run: no wandb files unless asked for
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread unless told otherwise (see above)
 
 if [[ $nproc -gt 1 ]]; then launcher=("$python" -m torch.distributed.run --standalone --nproc_per_node "$nproc")
 else launcher=("$python"); fi
-echo "run_tiny.sh: norm_type=$norm_type post_num=${post_num:-none} processes=$nproc (CPU, embedded corpus)"
+echo "run_tiny.sh: norm_type=$norm_type post_num=${post_num:-none} processes=$nproc threads=$OMP_NUM_THREADS (CPU)"
 exec bash utils/launch_trainer.sh "${launcher[@]}" torchrun_main.py \
     --model_config configs/llama_tiny_deep.json \
     --norm_type "$norm_type" ${post_num:+--post_num "$post_num"} \

@@ -99,3 +99,17 @@ def test_gpu_check_report_reads_the_trainers_rows_and_judges_the_targets(tmp_pat
     report = (tmp_path / "gpu_check.md").read_text()
     assert "| recipe_130m_pre | **FAILED** |" in report and "NVIDIA H100" in report
     assert json.loads((tmp_path / "gpu_check.json").read_text())["stages"]["recipe_1b_pre"]["mfu"] == rates["mfu"]
+
+
+@pytest.mark.parametrize("given, expected", [(None, "1"), ("3", "3")])
+def test_run_tiny_uses_one_thread_unless_told_otherwise(given, expected, tmp_path):
+    """Beside other work two threads made the quick start 9x slower (25:56 against 2:53); alone they bought nothing."""
+    fake_python = tmp_path / "python"
+    fake_python.write_text('#!/usr/bin/env bash\necho "threads=${OMP_NUM_THREADS:-unset}"\n')
+    fake_python.chmod(0o755)
+    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+    env.update(PYTHON=str(fake_python), **({} if given is None else {"OMP_NUM_THREADS": given}))
+    proc = subprocess.run(["bash", "run_tiny.sh", "LNS"], cwd=REPO, capture_output=True, text=True, env=env,
+                          timeout=60, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    assert f"threads={expected}\n" in proc.stdout
