@@ -22,6 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from peft_pretraining import lm_eval_tasks
@@ -107,6 +108,34 @@ def lm_eval_command(model_path: str | Path, our_checkpoint: bool, max_length: in
 
 
 # ----------------------------------------------------------------------------- sweep
+# HFLM warns this whenever it is handed a model object rather than a name; the sweep does so on purpose (one process,
+# no accelerate, no parallelize), once per removed layer, so the warning says nothing about this use.
+_LM_EVAL_MODEL_OBJECT_WARNING = "`pretrained` model kwarg is not of type `str`"
+
+
+class _DropMessage:
+    """logging filter dropping the records whose message starts with `prefix`, and no others."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+
+    def filter(self, record) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
+@contextlib.contextmanager
+def _quiet_lm_eval_model_object_warning():
+    import logging
+
+    drop = _DropMessage(_LM_EVAL_MODEL_OBJECT_WARNING)
+    logger = logging.getLogger("lm_eval.models.huggingface")
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
 def evaluate(model, tokenizer, tasks: list[str], manager, batch_size: int, limit, bootstrap_iters: int,
              max_length: int, per_document: bool = False) -> tuple[dict, dict]:
     """lm-eval on an in-memory model, never feeding it more than max_length positions (rolling-perplexity windows
@@ -115,7 +144,9 @@ def evaluate(model, tokenizer, tasks: list[str], manager, batch_size: int, limit
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=batch_size, max_length=max_length)
+    with _quiet_lm_eval_model_object_warning():
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=batch_size,
+                  max_length=max_length)
     output = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
                              bootstrap_iters=bootstrap_iters, log_samples=per_document)
     documents = {}
@@ -384,13 +415,17 @@ def run_single(parser, args, device, dtype) -> None:
     tokenizer.save_pretrained(save_path)
     ours = is_our_config(model.config)
     print(f"removed layer {args.layer_index}; saved a {model.config.num_hidden_layers}-layer model to {save_path}")
-    print("evaluate it with:")
-    print(f"  {lm_eval_command(save_path, ours, max_length)}")
-    print("offline on a CPU, from the repository root (held-out perplexity task built from the embedded novel):")
     task_dir = f"{save_path.resolve()}_tasks"
-    print(f"  python -m peft_pretraining.lm_eval_tasks --output_dir {task_dir} && "
-          f"{lm_eval_command(save_path, ours, max_length, lm_eval_tasks.HELDOUT_PERPLEXITY_TASK, gpu=False)} "
-          f"--include_path {task_dir}")
+    offline = ("offline on a CPU, from the repository root (held-out perplexity task built from the embedded novel):",
+               f"python -m peft_pretraining.lm_eval_tasks --output_dir {task_dir} && "
+               f"{lm_eval_command(save_path, ours, max_length, lm_eval_tasks.HELDOUT_PERPLEXITY_TASK, gpu=False)} "
+               f"--include_path {task_dir}")
+    online = ("on a GPU with the hub reachable (mmlu):", lm_eval_command(save_path, ours, max_length))
+    # The command that works here comes first: mmlu needs the hub and the GPU command needs CUDA.
+    works_here = torch.cuda.is_available() and model_io.hub_is_reachable()
+    print("evaluate it with:")
+    for heading, command in (online, offline) if works_here else (offline, online):
+        print(f"  {heading}\n    {command}")
 
 
 def run_sweep(parser, args, device, dtype) -> list[dict]:

@@ -77,7 +77,10 @@ def build_heldout_perplexity_task(output_dir: str | Path, text_file: str | Path 
         "test_split": "test",
         "doc_to_text": "",
         "doc_to_target": "text",  # a column name: the document is scored verbatim, no template rendering
-        "metric_list": [{"metric": "word_perplexity"}, {"metric": "byte_perplexity"}, {"metric": "bits_per_byte"}],
+        # lm-eval's own aggregations for these metrics, stated so that it does not warn about each one at every load
+        "metric_list": [{"metric": "word_perplexity", "aggregation": "weighted_perplexity", "higher_is_better": False},
+                        {"metric": "byte_perplexity", "aggregation": "weighted_perplexity", "higher_is_better": False},
+                        {"metric": "bits_per_byte", "aggregation": "bits_per_byte", "higher_is_better": False}],
         "metadata": {"version": 1.0, "source": str(text_file or EMBEDDED_HELDOUT)},
     }
     return write_task(output_dir, task_name, ({"text": text} for text in texts), task_config)

@@ -203,3 +203,13 @@ def test_a_fallback_tokenizer_smaller_than_the_model_vocabulary_is_refused(tmp_p
     model.save_pretrained(tmp_path)
     with pytest.raises(SystemExit, match="has no tokenizer and embeds 32128 tokens"):
         model_io.load_model_and_tokenizer(str(tmp_path))
+
+
+@pytest.mark.parametrize("device, expected", [("cpu", 65536), ("cuda", 262144)])
+def test_the_default_token_count_is_the_papers_on_a_gpu_and_fits_the_novel_on_a_cpu(device, expected, capsys):
+    """262,144 tokens ran out of the held-out novel (about 109K tokens) and took 10 minutes on a CPU."""
+    from utils import angular_analysis
+
+    args = angular_analysis.build_parser().parse_args([])
+    assert model_io.resolve_num_tokens(args, torch.device(device), "angular") == expected
+    assert ("65,536 tokens by default (262,144 on a GPU)" in capsys.readouterr().err) == (device == "cpu")

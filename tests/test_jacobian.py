@@ -13,6 +13,7 @@ from torch import nn
 from tests.analysis_helpers import (heldout_documents, repo_tokenizer, run_cli, save_with_tokenizer, tiny_hf_llama,
                                     tiny_ours, with_blocks, write_jsonl)
 from utils import model_io
+from utils import jacobian_analysis
 from utils.jacobian_analysis import TokenSample, jacobian_summary, main, measure_jacobians, sample_tokens
 
 WINDOW = torch.randint(3, 8192, (24,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -198,6 +199,9 @@ def test_cli_on_our_checkpoint_uses_the_trained_context(tmp_path):
     result = run_cli("utils/jacobian_analysis.py", "--model_path", str(checkpoint), "--text_file", str(text),
                      "--num_tokens", "6", "--tokens_per_window", "3", "--output_dir", str(out))
     assert result.returncode == 0, result.stderr
+    # Reading our config.json for the tokenizer warned "You are using a model of type `llama_norm_placement` to
+    # instantiate a model of type ``" in every analysis tool.
+    assert "to instantiate a model of type" not in result.stderr
     header, rows = _read_csv(out / "jacobian.csv")
     assert header == ["layer", "rel_identity_dev", "mean_diag", "mean_abs_offdiag"]
     assert [row[0] for row in rows] == ["0", "1", "2"] and all(float(row[1]) > 0 for row in rows)
@@ -278,3 +282,54 @@ def test_model_path_dot_is_labelled_by_the_folder(tmp_path, monkeypatch):
           "--output_dir", str(tmp_path / "out")])
     (entry,) = json.loads((tmp_path / "out" / "jacobian.json").read_text())["models"]
     assert entry["label"] == "hf_model"
+
+
+def _figure_of(plot, monkeypatch, *args):
+    """The matplotlib figure a plot function builds (kept open instead of closed)."""
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    plot(*args)
+    (figure,) = figures
+    return figure
+
+
+def test_the_depth_plot_is_logarithmic_when_layer_0_dwarfs_the_rest(tmp_path, monkeypatch):
+    """Layer 0 at 25.1 against at most 0.14 (the tiny LNS run): on a linear axis layers 1..23 all read as zero."""
+    assert jacobian_analysis.depth_axis_scale([25.1, 0.14, 0.05, 0.02]) == ("log", 0.0)
+    assert jacobian_analysis.depth_axis_scale([0.4, 0.3, 0.25, 0.2]) is None  # comparable values: linear from 0
+    assert jacobian_analysis.depth_axis_scale([25.1, 0.0, 0.05, 0.02]) == ("symlog", 0.02)  # an identity block
+    rows = [dict(layer=i, rel_identity_dev=value) for i, value in enumerate([25.1, 0.14, 0.05, 0.02])]
+    figure = _figure_of(jacobian_analysis.plot_depth, monkeypatch,
+                        [dict(label="LNS", method="exact", layers=rows)], tmp_path / "depth.png", "t")
+    assert figure.axes[0].get_yscale() == "log"
+    flat = [dict(row, rel_identity_dev=0.3) for row in rows]
+    figure = _figure_of(jacobian_analysis.plot_depth, monkeypatch,
+                        [dict(label="Pre-LN", method="exact", layers=flat)], tmp_path / "flat.png", "t")
+    assert figure.axes[0].get_yscale() == "linear"
+
+
+def test_each_heatmap_panel_has_its_own_colour_scale(tmp_path, monkeypatch):
+    """Layer 0 deviating 10,000 times more than the last layer left the last panel blank on a shared scale."""
+    generator = np.random.default_rng(0)
+    heatmaps = {0: np.eye(16) + generator.normal(size=(16, 16)), 5: np.eye(16) + 1e-4 * generator.normal(size=(16, 16))}
+    figure = _figure_of(jacobian_analysis.plot_heatmaps, monkeypatch, heatmaps, tmp_path / "heatmap.png", "t")
+    images = [image for ax in figure.axes for image in ax.images]
+    assert len(images) == 2 and len(figure.axes) == 4  # two panels, two colour bars
+    for image, layer in zip(images, (0, 5)):
+        limit = jacobian_analysis.heatmap_limit(heatmaps[layer] - np.eye(16))
+        assert image.get_clim() == pytest.approx((-limit, limit))
+    assert images[1].get_clim()[1] < 1e-2 * images[0].get_clim()[1]
+
+
+@pytest.mark.parametrize("device, expected", [("cpu", jacobian_analysis.CPU_NUM_TOKENS),
+                                              ("cuda", jacobian_analysis.DEFAULT_NUM_TOKENS)])
+def test_the_default_token_count_fits_the_device_and_is_said_on_a_cpu(device, expected, capsys):
+    args = jacobian_analysis.build_parser().parse_args([])
+    assert model_io.resolve_num_tokens(args, torch.device(device), "jacobian") == expected
+    said = capsys.readouterr().err
+    assert (f"{expected:,} tokens by default" in said) == (device == "cpu")
+    args = jacobian_analysis.build_parser().parse_args(["--num_tokens", "7"])
+    assert model_io.resolve_num_tokens(args, torch.device("cpu"), "jacobian") == 7
+    assert capsys.readouterr().err == ""  # a count given is used as is, silently

@@ -173,6 +173,8 @@ def test_cli_removes_a_layer_and_prints_the_lm_eval_command(tmp_path):
     # No trained length recorded: lm-eval's own default, max_position_embeddings, is spelled out.
     assert f"lm_eval --model hf --model_args pretrained={save_path.resolve()},dtype=bfloat16,max_length=1024," \
            "trust_remote_code=True " in result.stdout
+    # No CUDA here (and the tests run offline): the command that works on this machine comes first.
+    assert result.stdout.index("--tasks heldout_novel_ppl") < result.stdout.index("--tasks mmlu")
     config = json.loads((save_path / "config.json").read_text())
     assert config["num_hidden_layers"] == 3
     assert config["layer_norm_types"] == ["pre", "pre", "pre"] and config["layer_depths"] == [2, 3, 4]
@@ -187,6 +189,9 @@ def test_sweep_runs_end_to_end_through_lm_eval_offline(tmp_path):
                      "--task_max_documents", "2", "--eval_batch_size", "2", "--output_dir", str(out))
     assert result.returncode == 0, result.stderr
     assert "evaluating the local task heldout_novel_ppl" in result.stderr  # offline default
+    # lm-eval's noise, once per evaluation or per layer: the task's metrics now state their aggregation and
+    # direction, and HFLM's warning about being handed a model object (which the sweep does on purpose) is dropped.
+    assert "is defined, but" not in result.stderr and "is not of type `str`" not in result.stderr
     with (out / "layer_removal.csv").open() as handle:
         rows = list(csv.DictReader(handle))
     assert [row["removed_layer"] for row in rows] == ["baseline", "0", "1"]
@@ -301,3 +306,78 @@ def test_the_tokenizer_of_our_checkpoint_loads_without_a_remote_code_prompt(tmp_
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "PROMPTED" not in result.stderr, result.stderr[-2000:]
     assert result.stdout.strip() == str(model_dir)  # its own tokenizer, not the repository's fallback
+
+
+def test_with_cuda_and_the_hub_the_gpu_mmlu_command_comes_first(tmp_path, monkeypatch, capsys):
+    import layer_remove
+
+    model_dir = save_with_tokenizer(tiny_ours("pre", num_layers=2), tmp_path / "model")
+    monkeypatch.setattr(layer_remove.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(layer_remove.model_io, "hub_is_reachable", lambda *args, **kwargs: True)
+    main(["--model_path", str(model_dir), "--layer_index", "0", "--save_path", str(tmp_path / "pruned"),
+          "--device", "cpu"])
+    printed = capsys.readouterr().out
+    assert printed.index("--tasks mmlu") < printed.index("--tasks heldout_novel_ppl")
+
+
+def test_only_lm_evals_model_object_warning_is_dropped(caplog):
+    import logging
+
+    from layer_remove import _LM_EVAL_MODEL_OBJECT_WARNING, _quiet_lm_eval_model_object_warning
+
+    logger = logging.getLogger("lm_eval.models.huggingface")
+    with caplog.at_level(logging.WARNING):
+        with _quiet_lm_eval_model_object_warning():
+            logger.warning(_LM_EVAL_MODEL_OBJECT_WARNING + ". Many other model arguments may be ignored.")
+            logger.warning("some other warning")
+        logger.warning(_LM_EVAL_MODEL_OBJECT_WARNING + " (outside the sweep)")
+    assert [record.getMessage() for record in caplog.records] == [
+        "some other warning", _LM_EVAL_MODEL_OBJECT_WARNING + " (outside the sweep)"]
+
+
+def test_the_heldout_task_states_its_aggregations(tmp_path, caplog):
+    """Without aggregation and higher_is_better per metric, lm-eval warned 6 times per evaluation (75 in a sweep)."""
+    import logging
+
+    from lm_eval.tasks import get_task_dict
+
+    from peft_pretraining import lm_eval_tasks
+
+    text = write_jsonl(tmp_path / "heldout.jsonl", [document[:200] for document in heldout_documents(2)])
+    include = lm_eval_tasks.build_local_tasks([lm_eval_tasks.HELDOUT_PERPLEXITY_TASK], tmp_path / "tasks",
+                                              {lm_eval_tasks.HELDOUT_PERPLEXITY_TASK: {"text_file": str(text)}})
+    manager = lm_eval_tasks.task_manager(include, include_defaults=False)
+    with caplog.at_level(logging.WARNING):
+        task = get_task_dict([lm_eval_tasks.HELDOUT_PERPLEXITY_TASK], manager)[lm_eval_tasks.HELDOUT_PERPLEXITY_TASK]
+    assert not [record for record in caplog.records if "is defined, but" in record.getMessage()]
+    assert task.higher_is_better() == {"word_perplexity": False, "byte_perplexity": False, "bits_per_byte": False}
+
+
+def test_a_fresh_checkpoint_loads_its_tokenizer_with_no_question_and_no_model_type_warning(tmp_path):
+    """AutoTokenizer reads the folder's config.json through AutoConfig first: for our model type, unknown to stock
+    transformers, that asked "Do you wish to run the custom code? [y/N]" (or failed without a terminal) and then
+    warned "You are using a model of type `llama_norm_placement` to instantiate a model of type ``". Our tools hand
+    it our config class: no question, no warning, while the model itself still needs trust_remote_code."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model_dir = save_with_tokenizer(tiny_ours("lns", num_layers=2), tmp_path / "model")  # what a checkpoint holds
+    script = ("import builtins, sys\n"
+              f"sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})\n"
+              "def prompt(*_):\n    print('PROMPTED', file=sys.stderr)\n    raise EOFError\n"
+              "builtins.input = prompt\n"
+              "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+              "from utils import model_io\n"
+              f"path = {str(model_dir)!r}\n"
+              "print(type(model_io.load_tokenizer(path)).__name__)\n"
+              "print(type(AutoTokenizer.from_pretrained(path, config=model_io.our_config(path))).__name__)\n"
+              "try:\n    AutoModelForCausalLM.from_pretrained(path)\n"
+              "except ValueError as err:\n    print('REFUSED' if 'trust_remote_code' in str(err) else err)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["TokenizersBackend", "TokenizersBackend", "REFUSED"]
+    tokenizer_part = result.stderr.split("PROMPTED")[0]  # the model's refusal asks, as it should
+    assert "Do you wish" not in tokenizer_part and "to instantiate a model of type" not in result.stderr
+    assert result.stderr.count("PROMPTED") == 1

@@ -1,6 +1,7 @@
 """Angular distance between the residual stream at layer l and at layer l + n, for every l and n.
 
     python utils/angular_analysis.py --model_path Qwen/Qwen3-8B                       # paper: C4, 256K tokens
+    (--num_tokens defaults to the paper's 262,144 on a GPU and to 65,536 on a CPU)
     python utils/angular_analysis.py --model_path checkpoints/lns_130m --dataset embedded --num_tokens 65536
 
 d(l, n) = mean over all real (non-pad) token positions of arccos(cos(h_l, h_{l+n})) / pi, where h_0 is the
@@ -27,6 +28,10 @@ from tqdm.auto import tqdm
 from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
 from utils import model_io
 
+PAPER_NUM_TOKENS = 256 * 1024  # the paper's count, the default on a GPU
+# The default on a CPU: fits in the embedded held-out novel (about 109K tokens) and takes about a minute for a
+# 135M-parameter model on 2 cores (docs/analyses.md#speed).
+CPU_NUM_TOKENS = 64 * 1024
 # Bytes of float64 cosine work per chunk of tokens; bounds memory whatever the model size.
 _CHUNK_BYTES = 256 * 1024 * 1024
 
@@ -148,7 +153,7 @@ def plot_heatmap(matrix: np.ndarray, output_dir: Path, title: str, row_normalize
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model_io.add_model_arguments(parser)
-    model_io.add_text_arguments(parser, default_num_tokens=256 * 1024)
+    model_io.add_text_arguments(parser, default_num_tokens=PAPER_NUM_TOKENS, cpu_num_tokens=CPU_NUM_TOKENS)
     model_io.add_threads_argument(parser)
     parser.add_argument("--output_dir", default="runs/analysis/angular", help="where the CSV, JSON, PNG and PDF go")
     parser.add_argument("--normalize_rows", action="store_true",
@@ -159,11 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> np.ndarray:
     parser = build_parser()
     args = parser.parse_args(argv)
-    model_io.check_positive(parser, args, "num_tokens", "batch_size")
-    model_io.check_positive_or_none(parser, args, "max_seq_len")
+    model_io.check_positive(parser, args, "batch_size")
+    model_io.check_positive_or_none(parser, args, "max_seq_len", "num_tokens")
     model_io.apply_threads(parser, args)
     device, dtype, source = model_io.resolve_run_settings(parser, args)
     model_io.check_model_path(parser, args.model_path)
+    model_io.resolve_num_tokens(args, device, "angular")
 
     model, tokenizer = model_io.load_model_and_tokenizer(args.model_path, dtype, device, args.tokenizer)
     max_seq_len = model_io.resolve_context_length(model, args.max_seq_len, fallback=model_io.HUB_STREAM_WINDOW)

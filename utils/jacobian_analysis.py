@@ -64,6 +64,11 @@ PROBE_HEATMAP_SIZE = 64  # with probes, the heatmap shows the leading block of J
 JACOBIAN_DTYPE = torch.float32  # the re-called block runs in float32 whatever the model's dtype
 CSV_COLUMNS = ("layer", "rel_identity_dev", "mean_diag", "mean_abs_offdiag")
 DEFAULT_MODEL = "Qwen/Qwen3-8B"
+DEFAULT_NUM_TOKENS = 128  # tokens whose Jacobians are averaged, on a GPU
+# On a CPU: exact Jacobians of the 24-layer tiny model (d = 128) cost 0.5 s per token on an idle 2-core machine and
+# 2.5 s beside other work, so 128 tokens took 1 to 5 minutes; 32 take a quarter of that.
+CPU_NUM_TOKENS = 32
+DEPTH_LOG_RATIO = 20  # jacobian.png turns logarithmic when the largest value exceeds 20x the median
 
 
 # ----------------------------------------------------------------------------- which tokens
@@ -359,13 +364,21 @@ def plot_depth(results: list[dict], path: Path, title: str) -> Path:
     import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
+    every_value = []
     for result in results:
         layers = [row["layer"] for row in result["layers"]]
         values = [row["rel_identity_dev"] for row in result["layers"]]
         errors = [row.get("rel_identity_dev_se") for row in result["layers"]]
+        every_value += values
         ax.errorbar(layers, values, yerr=errors if None not in errors else None, marker="o", markersize=3,
                     capsize=2, label=f"{result['label']} ({result['method']})")
-    ax.set_ylim(bottom=0)
+    scale = depth_axis_scale(every_value)
+    if scale is None:
+        ax.set_ylim(bottom=0)
+    elif scale[0] == "log":
+        ax.set_yscale("log", nonpositive="clip")
+    else:
+        ax.set_yscale("symlog", linthresh=scale[1])
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_xlabel(r"layer $\ell$ (0-based)")
     ax.set_ylabel(r"$\|J_\ell - I\|_F / \sqrt{d}$ (RMS over tokens)")
@@ -378,8 +391,21 @@ def plot_depth(results: list[dict], path: Path, title: str) -> Path:
     return path
 
 
+def depth_axis_scale(values: Sequence[float]) -> tuple[str, float] | None:
+    """The y scale of the depth plot: None (linear, from 0) unless the largest value is more than
+    DEPTH_LOG_RATIO times the median of the positive ones, as layer 0 often is (25 against at most 0.14 on a tiny
+    LNS model, where a linear axis shows layers 1..L-1 as zero). Then ("log", 0) when every value is positive, else
+    ("symlog", smallest positive value), so that an exact identity block (0) stays on the axis."""
+    finite = [value for value in values if value is not None and math.isfinite(value)]
+    positive = sorted(value for value in finite if value > 0)
+    if not positive or positive[-1] <= DEPTH_LOG_RATIO * positive[len(positive) // 2]:
+        return None
+    return ("log", 0.0) if len(positive) == len(finite) else ("symlog", positive[0])
+
+
 def plot_heatmaps(heatmaps: dict[int, np.ndarray], path: Path, title: str) -> Path:
-    """J - I of the first and the last layer side by side, on one symmetric colour scale."""
+    """J - I of the first and the last layer side by side, each on its own symmetric colour scale (layer 0 often
+    deviates a hundred times more than the last layer, whose panel would be blank on a shared scale)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -387,18 +413,23 @@ def plot_heatmaps(heatmaps: dict[int, np.ndarray], path: Path, title: str) -> Pa
 
     layers = sorted(heatmaps)
     deviations = {layer: heatmaps[layer] - np.eye(*heatmaps[layer].shape) for layer in layers}
-    limit = max(float(np.quantile(np.abs(matrix), 0.99)) for matrix in deviations.values()) or 1.0
-    fig, axes = plt.subplots(1, len(layers), figsize=(5 * len(layers), 4.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(layers), figsize=(5.6 * len(layers), 4.4), squeeze=False, layout="constrained")
     for ax, layer in zip(axes[0], layers):
+        limit = heatmap_limit(deviations[layer])
         image = ax.imshow(deviations[layer], cmap="RdBu_r", vmin=-limit, vmax=limit, interpolation="nearest")
         ax.set_title(f"layer {layer}: J - I", fontsize=10)
         ax.set_xlabel("input channel j")
         ax.set_ylabel("output channel i")
-    fig.colorbar(image, ax=axes[0].tolist(), fraction=0.046, pad=0.04, label="J_ij - delta_ij (clipped at 99th pct)")
+        fig.colorbar(image, ax=ax, label="J_ij - delta_ij (clipped at 99th pct)")
     fig.suptitle(title, fontsize=10)
     fig.savefig(path, dpi=150, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def heatmap_limit(deviation: np.ndarray) -> float:
+    """The colour limit of one heatmap panel: the 99th percentile of |J - I| (1.0 for an exact identity)."""
+    return float(np.quantile(np.abs(deviation), 0.99)) or 1.0
 
 
 # ----------------------------------------------------------------------------- command line
@@ -410,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "(instead of --model_path)")
     parser.add_argument("--labels", nargs="+", default=None,
                         help="legend labels for --model_paths (default: folder names)")
-    model_io.add_text_arguments(parser, default_num_tokens=128)
+    model_io.add_text_arguments(parser, default_num_tokens=DEFAULT_NUM_TOKENS, cpu_num_tokens=CPU_NUM_TOKENS)
     model_io.add_threads_argument(parser)
     parser.add_argument("--tokens_per_window", type=int, default=8, help="token positions sampled per text window")
     parser.add_argument("--probes", type=int, default=None,
@@ -437,8 +468,8 @@ def parse_and_check(argv: list[str] | None):
     """Parse the flags; every bad value is a one-line error (exit 2) before any model is loaded."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    model_io.check_positive(parser, args, "num_tokens", "tokens_per_window")
-    for name in ("max_seq_len", "batch_size"):  # optional: None means automatic
+    model_io.check_positive(parser, args, "tokens_per_window")
+    for name in ("max_seq_len", "batch_size", "num_tokens"):  # optional: None means automatic
         if getattr(args, name) is not None:
             model_io.check_positive(parser, args, name)
     if args.probes is not None and (args.probes < 0 or args.probes == 1):
@@ -457,6 +488,7 @@ def parse_and_check(argv: list[str] | None):
     device, dtype, source = model_io.resolve_run_settings(parser, args)
     for path in paths:  # every path, before the first model is analysed
         model_io.check_model_path(parser, path, "--model_paths" if args.model_paths else "--model_path")
+    model_io.resolve_num_tokens(args, device, "jacobian")
     return parser, args, list(zip(labels, paths)), device, dtype, source
 
 

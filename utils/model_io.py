@@ -142,6 +142,27 @@ def load_model(model_path: str, dtype: torch.dtype | str = torch.float32, device
     return model.to(device).eval()
 
 
+def our_config(model_path: str | os.PathLike):
+    """Our NormPlacementConfig for a local folder whose config.json has our model_type, else None; for
+    ``AutoTokenizer.from_pretrained(folder, config=our_config(folder))``.
+
+    AutoTokenizer first reads the folder's config.json through AutoConfig. Our model_type (``llama_norm_placement``)
+    is unknown to stock transformers and our auto_map names our code, so AutoConfig asks "Do you wish to run the
+    custom code? [y/N]" (on a terminal; trust_remote_code=False skips the question), fails, and AutoTokenizer falls
+    back to a bare config with the warning "You are using a model of type `llama_norm_placement` to instantiate a
+    model of type ``". Given the config, it asks nothing and warns nothing. Checkpoints saved before our model_type
+    existed say "llama", which AutoConfig reads by itself: None for them.
+    """
+    if not Path(model_path).is_dir():
+        return None
+    config = read_local_config(model_path)
+    from peft_pretraining.modeling_llama import NormPlacementConfig
+
+    if not config or config.get("model_type") != NormPlacementConfig.model_type:
+        return None
+    return NormPlacementConfig.from_pretrained(model_path)
+
+
 def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
     """The tokenizer saved with the model; for a local folder without one, the repository's tokenizer.
 
@@ -156,9 +177,8 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
     errors = []
     for candidate in candidates:
         try:
-            # Our checkpoints' auto_map names the model's code, never a tokenizer's: without this, transformers
-            # asks "run the custom code?" on a terminal and waits.
-            tokenizer = AutoTokenizer.from_pretrained(candidate, trust_remote_code=False)
+            # Our checkpoints' auto_map names the model's code, never a tokenizer's: no code of a folder is run.
+            tokenizer = AutoTokenizer.from_pretrained(candidate, config=our_config(candidate), trust_remote_code=False)
         except (OSError, ValueError, TypeError) as err:
             errors.append(f"{candidate}: {str(err).strip().splitlines()[0] if str(err).strip() else err!r}")
             continue
@@ -449,17 +469,38 @@ def apply_threads(parser, args) -> None:
         torch.set_num_threads(args.threads)
 
 
-def add_text_arguments(parser, default_num_tokens: int) -> None:
+def add_text_arguments(parser, default_num_tokens: int, cpu_num_tokens: int | None = None) -> None:
+    """--dataset, --text_file, --num_tokens, --max_seq_len, --batch_size. With ``cpu_num_tokens``, --num_tokens
+    defaults to ``default_num_tokens`` on a GPU and to ``cpu_num_tokens`` on a CPU (resolve_num_tokens)."""
     parser.add_argument("--dataset", default="c4", choices=TEXT_SOURCES,
                         help="c4: C4 en validation streamed from the hub, falling back to the embedded held-out "
                              "novel when the hub is unreachable; embedded: the held-out novel")
     parser.add_argument("--text_file", default=None,
                         help="local text file: plain text (one document), or .jsonl/.json lines with a \"text\" "
                              "field; optionally .gz; overrides --dataset")
-    parser.add_argument("--num_tokens", type=int, default=default_num_tokens,
-                        help="number of real (non-pad) tokens to analyse")
+    if cpu_num_tokens is None:
+        parser.add_argument("--num_tokens", type=int, default=default_num_tokens,
+                            help="number of real (non-pad) tokens to analyse")
+    else:
+        parser.add_argument("--num_tokens", type=int, default=None,
+                            help=f"number of real (non-pad) tokens to analyse (default: {default_num_tokens:,} on a "
+                                 f"GPU, {cpu_num_tokens:,} on a CPU)")
+        parser.set_defaults(num_tokens_defaults=(default_num_tokens, cpu_num_tokens))
     add_context_argument(parser)
     parser.add_argument("--batch_size", type=int, default=8, help="windows per forward pass")
+
+
+def resolve_num_tokens(args, device: torch.device, tool: str) -> int:
+    """--num_tokens as given, else the device's default from add_text_arguments, said on stderr before any work
+    (a CPU default is smaller than a GPU's: the GPU count, the paper's for the angular tool, would take a CPU minutes
+    to an hour)."""
+    if args.num_tokens is None:
+        gpu_default, cpu_default = args.num_tokens_defaults
+        args.num_tokens = cpu_default if device.type == "cpu" else gpu_default
+        if device.type == "cpu":
+            print(f"[{tool}] on a CPU: {cpu_default:,} tokens by default ({gpu_default:,} on a GPU); "
+                  "--num_tokens N sets it", file=sys.stderr)
+    return args.num_tokens
 
 
 def add_context_argument(parser) -> None:
