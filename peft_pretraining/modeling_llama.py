@@ -554,7 +554,7 @@ class LlamaPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DecoderLayer"]
-    _supports_sdpa = True
+    _supports_sdpa = True  # our attention is F.scaled_dot_product_attention; HF records "sdpa" and accepts it by name
 
     @torch.no_grad()
     def _init_weights(self, module):

@@ -483,3 +483,15 @@ def test_github_slug():
     assert github_slug(heading_text("Layer analyses: angular distance, layer removal")) == \
         "layer-analyses-angular-distance-layer-removal"
     assert github_slug(heading_text("[Linked](x.md) **bold** ℓ + n")) == "linked-bold-ℓ--n"
+
+
+def test_the_utils_package_docstring_names_every_tool_in_utils():
+    """utils/__init__.py is the index of utils/: every module and script there is named in it."""
+    import utils
+
+    named = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*(?:\.sh)?", utils.__doc__))
+    entries = [path for path in (REPO / "utils").iterdir()
+               if not path.name.startswith(("_", ".")) and (path.suffix in (".py", ".sh") or path.is_dir())]
+    missing = sorted(path.name for path in entries
+                     if path.name not in named and not (path.suffix == ".py" and path.stem in named))
+    assert not missing, f"utils/__init__.py does not name {', '.join(missing)}"

@@ -416,3 +416,30 @@ def test_dyt_replaces_every_norm_with_the_documented_alpha0():
 def test_bad_option_values_raise(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         build_config(TINY, **kwargs)
+
+
+def test_the_model_tells_transformers_that_its_attention_is_sdpa(tmp_path):
+    """`_supports_sdpa`: our attention always calls F.scaled_dot_product_attention. Without the flag transformers
+    records attn_implementation "eager" for it, and a request for "sdpa" (attn_implementation="sdpa", or a config
+    that already carries it from an earlier model) is a ValueError at construction."""
+    model = tiny_model("lns")
+    assert model.config._attn_implementation == "sdpa"
+    assert LlamaForCausalLM(model.config).config._attn_implementation == "sdpa"  # a config that carries "sdpa"
+    model.save_pretrained(tmp_path)
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa")
+    assert loaded.config._attn_implementation == "sdpa"
+
+
+def test_export_copies_the_tokenizer_without_a_question_or_a_model_type_warning(tmp_path):
+    from transformers import AutoTokenizer
+
+    from peft_pretraining.dataloader import TOKENIZER_DIR
+
+    tiny_model("lns").save_pretrained(tmp_path / "ckpt")
+    AutoTokenizer.from_pretrained(str(TOKENIZER_DIR)).save_pretrained(tmp_path / "ckpt")
+    result = subprocess.run([sys.executable, str(REPO / "utils" / "export_hf.py"), "--checkpoint",
+                             str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")],
+                            cwd=tmp_path, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "to instantiate a model of type" not in result.stderr and "custom code" not in result.stderr
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()

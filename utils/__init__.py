@@ -1,1 +1,36 @@
-"""Analysis tools: model loading, residual-stream capture, angular distance, variance."""
+"""Command-line tools around the trainer, and the modules they share (a tool takes `--help`).
+
+Layer analyses (docs/analyses.md), on our checkpoints and on Hugging Face causal LMs:
+    model_io            the shared helper: load a model and tokenizer, feed text, capture the residual stream
+    angular_analysis    angular distance between the residual stream at layer l and at layer l + n
+    variance_analysis   variance and RMS of the residual stream at every depth
+    jacobian_analysis   how far each block's Jacobian is from the identity
+    (layer removal is layer_remove.py at the repository root)
+
+Studies (docs/study.md), Pre-LN against LNS and the other placements, trained and measured end to end:
+    compare_norms       the CPU-scale study: every placement on one budget, with every instrument
+    depth_sweep         the same at several depths; width_sweep at several widths
+    study_lib           what the studies share: runs, records, analyses, reports
+    verdicts            paired verdicts on the paper's claims, with an effect and its 95% interval
+
+Checkpoints and fine-tuning:
+    export_hf           export a checkpoint of ours to a stock transformers LlamaForCausalLM
+    finetune            supervised fine-tuning (full or LoRA), then zero-shot evaluation with lm-eval
+
+Benchmarks and estimates (docs/benchmarks.md):
+    benchmark_model     training-step throughput: ours, ours at a git revision, transformers' Llama (CPU)
+    benchmark_gpu       the update step on one CUDA GPU: tokens/s, MFU, peak memory
+    benchmark_dataloader  loader tokens/s against training tokens/s
+    benchmark_angular   the angular analysis's speed on a 135M-shaped model
+    memory_estimate     GPU memory of one training process, by formula
+
+Launching (shell scripts):
+    launch_trainer.sh   runs a trainer command and exits with the trainer's own code
+    gpu_recipe.sh       the paper's GPU recipes, sourced by run_130m.sh ... run_1b.sh
+    gpu_processes       how many processes a GPU recipe starts, and whether it compiles
+    gpu_smoke.sh        a 50-update GPU smoke run of the 130M recipe on offline stand-ins
+    gpu_check.sh        the one-command GPU check of a change (runs gpu_check.py)
+
+Offline inputs:
+    offline_fixtures    C4-layout files and a T5-style tokenizer made from the embedded corpus
+"""
