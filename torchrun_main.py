@@ -13,6 +13,7 @@ crash, and holds one history: resuming from step k moves the folder's later chec
 torchrun reports any failed rank as 1; run_*.sh read each rank's own code back (utils/launch_trainer.sh).
 """
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -297,206 +298,201 @@ def main(argv=None) -> int:
     return report_exit_code(code)
 
 
-def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStack) -> int:
-    is_main = rank == 0
+# ----------------------------------------------------------------------------------------------------------------
+# The run: everything the loop needs, built in order; then one update, an evaluation, a save, the results
+# ----------------------------------------------------------------------------------------------------------------
 
-    def log(message: str):
-        if is_main:
+class AlreadyFinished(Exception):
+    """--resume auto on a run folder whose run has finished: a requeued job has nothing to do."""
+
+
+@dataclasses.dataclass
+class Progress:
+    """Where the run stands: what a checkpoint records and results.json reports."""
+    update_step: int = 0
+    tokens_seen: int = 0
+    last_checkpoint: str | None = None  # the last good checkpoint of this history
+    status: str = "finished"  # or "diverged", "stopped"
+    diverged_reason: str | None = None
+    last_eval: dict | None = None
+
+
+@dataclasses.dataclass
+class Update:
+    """One update's numbers, the same on every rank (after the update's all-reduce)."""
+    loss: float
+    tokens: int
+    grad_norm: float
+    stop_requested: bool  # some rank got SIGTERM or SIGUSR1
+
+
+class Run:
+    def __init__(self, args, rank: int, world_size: int, device, on_exit: contextlib.ExitStack):
+        self.args, self.rank, self.world_size, self.device = args, rank, world_size, device
+        self.is_main = rank == 0
+        training_utils.seed_everything(args.seed)
+        if device.type == "cpu" and training_utils.keep_freed_host_memory():
+            self.log("host memory: freed tensors stay with the process for reuse, so steps do not page-fault anew "
+                     "(more resident memory; MALLOC_MMAP_THRESHOLD_=131072 in the environment opts out)")
+        with user_errors():
+            self.tokenizer = load_tokenizer(args.tokenizer)
+        self.config = build_model_config(args, self.tokenizer, self.log)
+        resume_state = self.read_resume_state()
+        sharded = resume_state is not None and resume_state.get("sharded")
+        # FSDP2 resuming sharded state: no rank builds the full model; the weights are allocated shard by shard
+        # after wrapping and filled from the checkpoint's sharded/ folder.
+        meta_init = sharded and args.fsdp
+        self.model = self.build_model(resume_state, meta_init)
+        self.open_data(resume_state)
+        # Only now: bad input above leaves no empty run folder behind.
+        self.run_dir = open_run_folder(args, rank, resume_state["update_step"] if resume_state else None, on_exit,
+                                       self.log)
+        self.train_model = wrap_model(self.model, args, world_size, device)
+        if meta_init:
+            self.train_model.to_empty(device=device)  # this rank's shards only; load_sharded below fills them
+            self.model.model.rotary_emb.reset_tables()  # a non-persistent buffer, in no checkpoint
+        if args.compile:
+            self.train_model = torch.compile(self.train_model)  # `model` shares its weights: saving is unchanged
+        self.optimizer = training_utils.build_optimizer(self.train_model.parameters(), args.optimizer, args.lr,
+                                                        args.weight_decay, args.adam_kernel)
+        self.progress = Progress(last_checkpoint=args.continue_from)
+        self.restore_optimizer_and_position(resume_state, sharded)
+        del resume_state
+        self.open_logs()
+        self.autocast = autocast_for(args, device)
+        self.rank0_writes = HeldFailure()
+        self.stop = StopRequest(on_exit)
+        self.eval_batches: list[dict] = []  # this rank's share of the eval set, read at the first evaluation
+        self.export_model = self.model
+        if args.fsdp:  # fully_shard renamed the class FSDPLlamaForCausalLM: save_pretrained would record that (and
+            # copy torch's FSDP sources) as the model code; a weightless plain copy writes the export
+            with torch.device("meta"):
+                self.export_model = LlamaForCausalLM(self.config).to(next(self.model.parameters()).dtype)
+
+    def log(self, message: str):
+        if self.is_main:
             tqdm.write(message)
 
-    training_utils.seed_everything(args.seed)
-    if device.type == "cpu" and training_utils.keep_freed_host_memory():
-        log("host memory: freed tensors stay with the process for reuse, so steps do not page-fault anew "
-            "(more resident memory; MALLOC_MMAP_THRESHOLD_=131072 in the environment opts out)")
-    with user_errors():
-        tokenizer = load_tokenizer(args.tokenizer)
-    config = build_model_config(args, tokenizer, log)
-
-    # ---- model --------------------------------------------------------------------------------------------
-    resume_state = None
-    if args.continue_from is not None:
-        check_checkpoint_matches(args, config, args.continue_from)
-        resume_state = training_utils.load_training_state(args.continue_from)
-        if resume_state["world_size"] != world_size:
-            raise BadInput(f"--continue_from {args.continue_from}: saved with world size {resume_state['world_size']}, "
-                           f"this run has {world_size} (the data position is per rank)")
-        if resume_state["update_step"] >= args.num_training_steps and not unfinished_last_checkpoint(args,
-                                                                                                resume_state):
+    # ---- set-up, in the order __init__ calls it ---------------------------------------------------------------
+    def read_resume_state(self) -> dict | None:
+        args = self.args
+        if args.continue_from is None:
+            return None
+        check_checkpoint_matches(args, self.config, args.continue_from)
+        state = training_utils.load_training_state(args.continue_from)
+        if state["world_size"] != self.world_size:
+            raise BadInput(f"--continue_from {args.continue_from}: saved with world size {state['world_size']}, "
+                           f"this run has {self.world_size} (the data position is per rank)")
+        if state["update_step"] >= args.num_training_steps and not unfinished_last_checkpoint(args, state):
             if args.resume == "auto":  # a requeued job whose run has finished
-                log(f"--resume auto: {args.save_dir} already finished at step {resume_state['update_step']}; "
-                    f"nothing to do")
-                return 0
+                self.log(f"--resume auto: {args.save_dir} already finished at step {state['update_step']}; "
+                         f"nothing to do")
+                raise AlreadyFinished
             raise BadInput(f"--num_training_steps {args.num_training_steps}: the checkpoint is already at step "
-                           f"{resume_state['update_step']}")
-    sharded = resume_state is not None and resume_state.get("sharded")
-    # FSDP2 resuming sharded state: no rank builds the full model; the weights are allocated shard by shard after
-    # wrapping and filled from the checkpoint's sharded/ folder.
-    meta_init = sharded and args.fsdp
-    with torch.device("meta") if meta_init else contextlib.nullcontext():
-        model = LlamaForCausalLM(config)
-    if resume_state is not None and not sharded:
-        training_utils.load_model_weights(args.continue_from, model)
-    if args.dtype == "bfloat16":
-        model = model.to(dtype=torch.bfloat16)  # pure bf16 weights and optimizer state, as in the paper
-    if not meta_init:
-        model = model.to(device)
-    if args.activation_checkpointing:
-        model.activation_checkpointing_enable()
-    n_params = sum(p.numel() for p in model.parameters())
-    options = " ".join(f"{option}={getattr(config, option)}" for option in args_utils.MODEL_OPTIONS[3:])
-    log(f"model: {args.model_config} norm_type={config.norm_type} post_num={config.post_num} "
-        f"init={config.init_method} {options} params={n_params / 1e6:.2f}M dtype={args.dtype} device={device} "
-        f"world_size={world_size} wrap={'fsdp2' if args.fsdp else 'ddp' if world_size > 1 else 'none'}")
-    frozen_gains_note = training_utils.pure_bf16_note(args.dtype, args.optimizer, args.lr)
-    if frozen_gains_note:
-        log(frozen_gains_note)
+                           f"{state['update_step']}")
+        return state
 
-    # ---- data: open both splits now, so a wrong name or a missing split fails before any training ----------
-    data_source = dict(dataset=args.dataset, dataset_path=args.dataset_path, dataset_config=args.dataset_config,
-                       tokenizer=tokenizer, max_length=args.max_length, packing=args.packing)
-    with user_errors():
-        stream = build_train_stream(**data_source, batch_size=args.batch_size, seed=args.seed, rank=rank,
-                                    world_size=world_size, num_workers=args.workers)
-        next(iter_eval_batches(**data_source, batch_size=1, eval_tokens=world_size, rank=rank,
-                               world_size=world_size), None)
+    def build_model(self, resume_state: dict | None, meta_init: bool):
+        args, config = self.args, self.config
+        with torch.device("meta") if meta_init else contextlib.nullcontext():
+            model = LlamaForCausalLM(config)
+        if resume_state is not None and not resume_state.get("sharded"):
+            training_utils.load_model_weights(args.continue_from, model)
+        if args.dtype == "bfloat16":
+            model = model.to(dtype=torch.bfloat16)  # pure bf16 weights and optimizer state, as in the paper
+        if not meta_init:
+            model = model.to(self.device)
+        if args.activation_checkpointing:
+            model.activation_checkpointing_enable()
+        self.n_params = sum(p.numel() for p in model.parameters())
+        options = " ".join(f"{option}={getattr(config, option)}" for option in args_utils.MODEL_OPTIONS[3:])
+        wrap = "fsdp2" if args.fsdp else "ddp" if self.world_size > 1 else "none"
+        self.log(f"model: {args.model_config} norm_type={config.norm_type} post_num={config.post_num} "
+                 f"init={config.init_method} {options} params={self.n_params / 1e6:.2f}M dtype={args.dtype} "
+                 f"device={self.device} world_size={self.world_size} wrap={wrap}")
+        frozen_gains_note = training_utils.pure_bf16_note(args.dtype, args.optimizer, args.lr)
+        if frozen_gains_note:
+            self.log(frozen_gains_note)
+        return model
+
+    def open_data(self, resume_state: dict | None):
+        """Both splits now, so that a wrong name or a missing split fails before any training."""
+        args = self.args
+        self.data_source = dict(dataset=args.dataset, dataset_path=args.dataset_path,
+                                dataset_config=args.dataset_config, tokenizer=self.tokenizer,
+                                max_length=args.max_length, packing=args.packing)
+        with user_errors():
+            self.stream = build_train_stream(**self.data_source, batch_size=args.batch_size, seed=args.seed,
+                                             rank=self.rank, world_size=self.world_size, num_workers=args.workers)
+            next(iter_eval_batches(**self.data_source, batch_size=1, eval_tokens=self.world_size, rank=self.rank,
+                                   world_size=self.world_size), None)
+            if resume_state is not None:
+                self.stream.load_state_dict(resume_state["data"][self.rank])
+
+    def restore_optimizer_and_position(self, resume_state: dict | None, sharded: bool):
+        args, progress = self.args, self.progress
+        if sharded:
+            try:
+                with training_utils.keeping_adam_kernel(self.optimizer):
+                    checkpointing.load_sharded(args.continue_from, self.train_model, self.optimizer)
+            except checkpointing.ShardedLoadError as err:
+                raise training_utils.CheckpointError(str(err)) from err
+        elif resume_state is not None:
+            training_utils.load_optimizer_state(self.train_model, self.optimizer, resume_state["optimizer"])
         if resume_state is not None:
-            stream.load_state_dict(resume_state["data"][rank])
+            progress.update_step, progress.tokens_seen = resume_state["update_step"], resume_state["tokens_seen"]
+        # On resume the schedule continues at update_step with this command line's --lr/--warmup_steps/...
+        # (pass the same flags for an exact resume; differences are printed below).
+        self.scheduler = training_utils.build_scheduler(
+            self.optimizer, scheduler_type=args.scheduler, num_training_steps=args.num_training_steps,
+            warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio, lr=args.lr,
+            weight_decay=args.weight_decay, resume_at=progress.update_step)
+        if resume_state is not None:
+            training_utils.restore_rng_state(resume_state["rng"][self.rank])  # last: after all that draws numbers
+            self.log(f"resumed from {args.continue_from}: update step {progress.update_step}, tokens seen "
+                     f"{progress.tokens_seen}")
+            for flag, (saved, now) in training_utils.changed_flags(resume_state.get("args", {}), vars(args)).items():
+                self.log(f"note: --{flag} is {now!r} now, {saved!r} in the checkpoint's run (using {now!r})")
 
-    # Only now: bad input above leaves no empty run folder behind.
-    run_dir = open_run_folder(args, rank, resume_state["update_step"] if resume_state else None, on_exit, log)
-    train_model = wrap_model(model, args, world_size, device)
-    if meta_init:
-        train_model.to_empty(device=device)  # this rank's shards only; load_sharded below fills them
-        model.model.rotary_emb.reset_tables()  # a non-persistent buffer, in no checkpoint
-    if args.compile:
-        train_model = torch.compile(train_model)  # the uncompiled `model` shares its weights: saving is unchanged
-    optimizer = training_utils.build_optimizer(train_model.parameters(), args.optimizer, args.lr, args.weight_decay,
-                                               args.adam_kernel)
-    update_step, tokens_seen = 0, 0
-    if sharded:
-        try:
-            with training_utils.keeping_adam_kernel(optimizer):
-                checkpointing.load_sharded(args.continue_from, train_model, optimizer)
-        except checkpointing.ShardedLoadError as err:
-            raise training_utils.CheckpointError(str(err)) from err
-    elif resume_state is not None:
-        training_utils.load_optimizer_state(train_model, optimizer, resume_state["optimizer"])
-    if resume_state is not None:
-        update_step, tokens_seen = resume_state["update_step"], resume_state["tokens_seen"]
-    # On resume the schedule continues at update_step with this command line's --lr/--warmup_steps/...
-    # (pass the same flags for an exact resume; differences are printed below).
-    scheduler = training_utils.build_scheduler(optimizer, scheduler_type=args.scheduler,
-                                               num_training_steps=args.num_training_steps,
-                                               warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio,
-                                               lr=args.lr, weight_decay=args.weight_decay, resume_at=update_step)
-    if resume_state is not None:
-        training_utils.restore_rng_state(resume_state["rng"][rank])  # last, after everything that draws numbers
-        log(f"resumed from {args.continue_from}: update step {update_step}, tokens seen {tokens_seen}")
-        for flag, (saved, now) in training_utils.changed_flags(resume_state.get("args", {}), vars(args)).items():
-            log(f"note: --{flag} is {now!r} now, {saved!r} in the checkpoint's run (using {now!r})")
-        del resume_state
+    def open_logs(self):
+        """metrics.jsonl and wandb, on rank 0; rows past the resumed step (all of them for a run killed before its
+        first checkpoint) are set aside."""
+        args = self.args
+        self.metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
+        self.metrics, self.wandb_run = None, None
+        run_config = dict(vars(args), world_size=self.world_size, n_params=self.n_params,
+                          vocab_size=self.config.vocab_size, run_dir=self.run_dir)
+        with failure_shared_by_every_rank(self.run_dir):
+            if self.is_main:
+                with user_errors():
+                    self.metrics = training_utils.MetricsFile(self.metrics_path,
+                                                              resume_step=self.progress.update_step)
+                for note in self.metrics.notes:
+                    self.log(note)
+                tags = [t.strip() for t in args.tags.split(",") if t.strip()] if args.tags else None
+                with user_errors():  # a malformed RUN/wandb_run_id is bad input
+                    self.wandb_run = training_utils.init_wandb(project=args.wandb_project, run_name=args.run_name,
+                                                               config=run_config, tags=tags, run_dir=self.run_dir,
+                                                               resume=args.continue_from is not None)
 
-    # ---- logging --------------------------------------------------------------------------------------------
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    metrics = None
-    run_config = dict(vars(args), world_size=world_size, n_params=n_params, vocab_size=config.vocab_size,
-                      run_dir=run_dir)
-    wandb_run = None
-    with failure_shared_by_every_rank(run_dir):
-        if is_main:  # rows past update_step (all of them for a run killed before its first checkpoint) are set aside
-            with user_errors():
-                metrics = training_utils.MetricsFile(metrics_path, resume_step=update_step)
-            for note in metrics.notes:
-                log(note)
-            tags = [t.strip() for t in args.tags.split(",") if t.strip()] if args.tags else None
-            with user_errors():  # a malformed RUN/wandb_run_id is bad input
-                wandb_run = training_utils.init_wandb(project=args.wandb_project, run_name=args.run_name,
-                                                      config=run_config, tags=tags, run_dir=run_dir,
-                                                      resume=args.continue_from is not None)
-
-    autocast = autocast_for(args, device)
-    rank0_writes = HeldFailure()
-    stop = StopRequest(on_exit)
-
-    eval_batches: list[dict] = []  # this rank's share of the eval set, read once (each rank tokenizes all of it)
-
-    def run_eval() -> dict:
-        if not eval_batches:
-            eval_batches.extend(iter_eval_batches(**data_source, batch_size=args.eval_batch_size,
-                                                  eval_tokens=args.eval_tokens, rank=rank, world_size=world_size))
-        return training_utils.evaluate(train_model if args.fsdp else model, eval_batches, device=device,
-                                       eval_tokens=args.eval_tokens, autocast=autocast, lockstep=args.fsdp,
-                                       show_progress=is_main)
-
-    export_model = model
-    if args.fsdp:  # fully_shard renamed the class FSDPLlamaForCausalLM: save_pretrained would record that (and copy
-        with torch.device("meta"):  # torch's FSDP sources) as the model code; a weightless plain copy writes the export
-            export_model = LlamaForCausalLM(config).to(next(model.parameters()).dtype)
-
-    def save(step: int) -> str:
-        """Every rank calls this; rank 0 writes, then tells every rank whether it worked (no rank is left waiting)."""
-        sharded_dir = None
-        if args.fsdp:  # each rank writes its own shards; rank 0 gathers the model weights for the HF export
-            sharded_dir = checkpointing.save_sharded(run_dir, step, train_model, optimizer)
-            model_state, optimizer_state = checkpointing.full_model_state(train_model), None
-        else:
-            model_state, optimizer_state = training_utils.full_state_dicts(train_model, optimizer)
-        rng_states = training_utils.gather_rank_objects(training_utils.capture_rng_state())
-        data_states = training_utils.gather_rank_objects(stream.state_dict())
-        # DDP replicas must be bit-identical; record every rank's checksum so a silent desync is visible.
-        checksums = (training_utils.gather_rank_objects(training_utils.parameter_checksum(model))
-                     if not args.fsdp else None)
-        path = training_utils.checkpoint_dir(run_dir, step)
-        with failure_shared_by_every_rank(
-                run_dir, no_space=f"run folder {run_dir}: no space left on device while saving {path}; removed the "
-                                  f"partial checkpoint, the last good one is {last_checkpoint or 'none'}",
-                failed=f"rank 0 could not save {path}",
-                on_failure=lambda: run_folder.remove_partial_checkpoints(run_dir)):
-            if is_main:
-                if checksums is not None and len(set(checksums)) > 1:
-                    log(f"WARNING: ranks' parameters differ at step {step}: checksums {checksums}")
-                rank0_writes.raise_held()  # a row rank 0 failed to write: no checkpoint outlives it
-                metrics.sync()  # a power loss may not keep a checkpoint without the rows up to it
-                path = training_utils.save_checkpoint(
-                    run_dir, step, hf_model=export_model, model_state=model_state, tokenizer=tokenizer,
-                    training_state={"update_step": step, "tokens_seen": tokens_seen, "world_size": world_size,
-                                    "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
-                                    "rng": rng_states, "data": data_states, "args": vars(args),
-                                    "rank_param_checksums": checksums, "sharded": args.fsdp},
-                    sharded_dir=sharded_dir)
-                run_folder.fsync_dir(run_dir)  # the rename into model_<step> survives a power loss
-                log(f"checkpoint: {path}")
-                for removed in checkpointing.prune_checkpoints(run_dir, step, args.keep_last):
-                    log(f"removed {removed} (--keep_last {args.keep_last})")
-        return path
-
-    # ---- training loop ----------------------------------------------------------------------------------------
-    log(f"training {args.num_training_steps - update_step} updates of {args.total_batch_size} sequences x "
-        f"{args.max_length} tokens (batch {args.batch_size} x accumulation {args.gradient_accumulation} x "
-        f"world {world_size}); run folder {run_dir}")
-    # Closed however the run ends, so that an error message gets a line of its own.
-    bar = on_exit.enter_context(tqdm(total=args.num_training_steps, initial=update_step, desc="update steps",
-                                     ncols=100, disable=not is_main))
-    status, last_eval, diverged_reason = "finished", None, None
-    last_checkpoint = args.continue_from  # the last good checkpoint of this history, None until one is saved
-    first_compiled_step = update_step + 1
-    train_model.train()
-    while update_step < args.num_training_steps:
-        update_start = time.perf_counter()
+    # ---- one update -------------------------------------------------------------------------------------------
+    def train_step(self) -> Update:
+        """Forward and backward over the update's micro-batches; the optimizer is not stepped here."""
+        args, device, world_size = self.args, self.device, self.world_size
         with user_errors():  # bad data found mid-stream (an empty shard, a non-string text) is bad input too
-            micro_batches = [next(stream) for _ in range(args.gradient_accumulation)]
+            micro_batches = [next(self.stream) for _ in range(args.gradient_accumulation)]
         # Every target token of the update weighs the same, however padding splits them over micro-batches and
-        # ranks: each micro-batch's mean loss is weighted by its share of the update's targets (all ranks). Every row
-        # holds a target: the loader gives an empty document no row. The same all-reduce says whether rank 0 failed
-        # to write the last update's row.
+        # ranks: each micro-batch's mean loss is weighted by its share of the update's targets (all ranks). Every
+        # row holds a target: the loader gives an empty document no row. The same all-reduce says whether rank 0
+        # failed to write the last update's row.
         targets = [count_target_tokens(batch["labels"]) for batch in micro_batches]
-        update_totals = torch.tensor([sum(targets), rank0_writes.error is not None], dtype=torch.float64,
+        update_totals = torch.tensor([sum(targets), self.rank0_writes.error is not None], dtype=torch.float64,
                                      device=device)
         dist.all_reduce(update_totals)
         update_targets, rank0_write_failed = update_totals.tolist()
         if rank0_write_failed:
-            with failure_shared_by_every_rank(run_dir):
-                rank0_writes.raise_held()
+            with failure_shared_by_every_rank(self.run_dir):
+                self.rank0_writes.raise_held()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         tokens_in_update = torch.zeros((), dtype=torch.int64, device=device)
         for micro, batch in enumerate(micro_batches):
@@ -505,124 +501,217 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
                 del batch["attention_mask"]  # the model then takes SDPA's is_causal path
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             share = targets[micro] / update_targets
-            with grad_sync(train_model, micro == args.gradient_accumulation - 1):
-                with autocast():
-                    loss = train_model(**batch).loss
+            with grad_sync(self.train_model, micro == args.gradient_accumulation - 1):
+                with self.autocast():
+                    loss = self.train_model(**batch).loss
                 (loss * (share * world_size)).backward()  # DDP and FSDP average gradients over the ranks
             loss_sum += loss.detach().double() * share
-        # One small all-reduce per update: the token-weighted mean loss, the tokens of all ranks, and whether any rank
-        # was asked to stop (so that all stop after this same update).
-        stop_noted = torch.tensor(float(stop.signal_name is not None), dtype=torch.float64, device=device)
+        # One small all-reduce per update: the token-weighted mean loss, the tokens of all ranks, and whether any
+        # rank was asked to stop (so that all stop after this same update).
+        stop_noted = torch.tensor(float(self.stop.signal_name is not None), dtype=torch.float64, device=device)
         update_stats = torch.stack([loss_sum, tokens_in_update.double(), stop_noted])
         dist.all_reduce(update_stats)
-        step_loss, step_tokens = update_stats[0].item(), int(update_stats[1].item())
-        stopping = update_stats[2].item() > 0
-        grad_norm = training_utils.grad_norm_and_clip(train_model.parameters(), args.grad_clipping)
-        lr = optimizer.param_groups[0]["lr"]
+        return Update(loss=update_stats[0].item(), tokens=int(update_stats[1].item()),
+                      grad_norm=training_utils.grad_norm_and_clip(self.train_model.parameters(), args.grad_clipping),
+                      stop_requested=update_stats[2].item() > 0)
 
-        if not math.isfinite(step_loss) or not math.isfinite(grad_norm):
-            diverged_reason = f"non-finite {'loss' if not math.isfinite(step_loss) else 'grad norm'}"
-        elif args.divergence_loss is not None and step_loss > args.divergence_loss:
-            diverged_reason = f"loss {step_loss:.4f} above --divergence_loss {args.divergence_loss}"
-        if diverged_reason is not None:
-            status = "diverged"
-            optimizer.zero_grad(set_to_none=True)  # the bad update is never applied
-            with rank0_writes.held():
-                if is_main:
-                    metrics.write({"step": update_step + 1, "loss": step_loss, "lr": lr, "grad_norm": grad_norm,
-                                   "tokens_seen": tokens_seen, "diverged": diverged_reason})
-            log(f"diverged at update step {update_step + 1}: {diverged_reason}; stopping (last checkpoint kept)")
-            update_step += 1
+    def divergence(self, update: Update) -> str | None:
+        if not math.isfinite(update.loss) or not math.isfinite(update.grad_norm):
+            return f"non-finite {'loss' if not math.isfinite(update.loss) else 'grad norm'}"
+        if self.args.divergence_loss is not None and update.loss > self.args.divergence_loss:
+            return f"loss {update.loss:.4f} above --divergence_loss {self.args.divergence_loss}"
+        return None
+
+    def apply(self, update: Update):
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.progress.update_step += 1
+        self.progress.tokens_seen += update.tokens
+
+    def write_row(self, row: dict):
+        """Rank 0's metrics row (and wandb); an error is held until the ranks next meet (HeldFailure)."""
+        with self.rank0_writes.held():
+            if self.is_main:
+                self.metrics.write(row)
+                if self.wandb_run is not None:
+                    self.wandb_run.log(row, step=row["step"])
+
+    def stop_as_diverged(self, reason: str, what_is_kept: str):
+        self.progress.status, self.progress.diverged_reason = "diverged", reason
+        self.log(f"diverged at update step {self.progress.update_step}: {reason}; {what_is_kept}")
+
+    # ---- evaluation and checkpoints -----------------------------------------------------------------------------
+    def evaluate(self) -> dict:
+        args = self.args
+        if not self.eval_batches:  # each rank tokenizes all of it, and keeps its share
+            self.eval_batches.extend(iter_eval_batches(**self.data_source, batch_size=args.eval_batch_size,
+                                                       eval_tokens=args.eval_tokens, rank=self.rank,
+                                                       world_size=self.world_size))
+        result = training_utils.evaluate(self.train_model if args.fsdp else self.model, self.eval_batches,
+                                         device=self.device, eval_tokens=args.eval_tokens, autocast=self.autocast,
+                                         lockstep=args.fsdp, show_progress=self.is_main)
+        self.progress.last_eval = dict(result, step=self.progress.update_step)
+        return self.progress.last_eval
+
+    def save(self):
+        """Every rank calls this; rank 0 writes, then tells every rank whether it worked (no rank is left waiting)."""
+        args, run_dir, progress = self.args, self.run_dir, self.progress
+        step = progress.update_step
+        sharded_dir = None
+        if args.fsdp:  # each rank writes its own shards; rank 0 gathers the model weights for the HF export
+            sharded_dir = checkpointing.save_sharded(run_dir, step, self.train_model, self.optimizer)
+            model_state, optimizer_state = checkpointing.full_model_state(self.train_model), None
+        else:
+            model_state, optimizer_state = training_utils.full_state_dicts(self.train_model, self.optimizer)
+        rng_states = training_utils.gather_rank_objects(training_utils.capture_rng_state())
+        data_states = training_utils.gather_rank_objects(self.stream.state_dict())
+        # DDP replicas must be bit-identical; record every rank's checksum so a silent desync is visible.
+        checksums = (training_utils.gather_rank_objects(training_utils.parameter_checksum(self.model))
+                     if not args.fsdp else None)
+        path = training_utils.checkpoint_dir(run_dir, step)
+        with failure_shared_by_every_rank(
+                run_dir, no_space=f"run folder {run_dir}: no space left on device while saving {path}; removed the "
+                                  f"partial checkpoint, the last good one is {progress.last_checkpoint or 'none'}",
+                failed=f"rank 0 could not save {path}",
+                on_failure=lambda: run_folder.remove_partial_checkpoints(run_dir)):
+            if self.is_main:
+                if checksums is not None and len(set(checksums)) > 1:
+                    self.log(f"WARNING: ranks' parameters differ at step {step}: checksums {checksums}")
+                self.rank0_writes.raise_held()  # a row rank 0 failed to write: no checkpoint outlives it
+                self.metrics.sync()  # a power loss may not keep a checkpoint without the rows up to it
+                path = training_utils.save_checkpoint(
+                    run_dir, step, hf_model=self.export_model, model_state=model_state, tokenizer=self.tokenizer,
+                    training_state={"update_step": step, "tokens_seen": progress.tokens_seen,
+                                    "world_size": self.world_size, "optimizer": optimizer_state,
+                                    "scheduler": self.scheduler.state_dict(), "rng": rng_states,
+                                    "data": data_states, "args": vars(args), "rank_param_checksums": checksums,
+                                    "sharded": args.fsdp},
+                    sharded_dir=sharded_dir)
+                run_folder.fsync_dir(run_dir)  # the rename into model_<step> survives a power loss
+                self.log(f"checkpoint: {path}")
+                for removed in checkpointing.prune_checkpoints(run_dir, step, args.keep_last):
+                    self.log(f"removed {removed} (--keep_last {args.keep_last})")
+        progress.last_checkpoint = path
+
+    # ---- the end ------------------------------------------------------------------------------------------------
+    def finish(self) -> int:
+        """results.json, the plots and wandb's summary, written by rank 0; every rank leaves with the outcome."""
+        progress = self.progress
+        self.stream.close()
+        if progress.last_eval is None and progress.status == "finished":  # resumed at the last step: no results yet
+            self.evaluate()
+        exit_code = {"finished": 0, "diverged": training_utils.EXIT_DIVERGED,
+                     "stopped": training_utils.EXIT_STOPPED}[progress.status]
+        with failure_shared_by_every_rank(self.run_dir):
+            if self.is_main:
+                self.rank0_writes.raise_held()  # a row of the last update that rank 0 failed to write
+                self.metrics.close()
+                self.write_results(exit_code)
+        return exit_code
+
+    def write_results(self, exit_code: int):
+        args, progress, finished = self.args, self.progress, self.progress.status == "finished"
+        results = {
+            "status": progress.status,
+            "step": progress.update_step,
+            "num_training_steps": args.num_training_steps,
+            "final_eval_loss": progress.last_eval["eval_loss"] if finished else None,
+            "final_eval_ppl": progress.last_eval["eval_ppl"] if finished else None,
+            "eval_tokens": progress.last_eval["eval_tokens"] if finished else None,
+            "tokens_seen": progress.tokens_seen,
+            "diverged_reason": progress.diverged_reason,
+            "stop_signal": self.stop.signal_name if progress.status == "stopped" else None,
+            "norm_type": self.config.norm_type,
+            "post_num": self.config.post_num,
+            "model_config": args.model_config,
+            "checkpoint": progress.last_checkpoint,
+        }
+        results_path = os.path.join(self.run_dir, "results.json")
+        run_folder.write_json_atomic(results_path, {k: training_utils.json_safe(v) for k, v in results.items()})
+        plot_path = os.path.join(self.run_dir, "loss_curve.png")
+        training_utils.plot_loss_curve(self.metrics_path, plot_path, title=f"{args.run_name} ({progress.status})")
+        gains_plot_path = training_utils.plot_norm_gains(self.metrics_path,
+                                                         os.path.join(self.run_dir, "norm_gains.png"),
+                                                         title=f"{args.run_name}: mean RMSNorm gain per layer")
+        wandb_dir = self.wandb_run.dir if self.wandb_run is not None else None
+        if self.wandb_run is not None:
+            self.wandb_run.summary.update({k: v for k, v in results.items() if v is not None})
+            self.wandb_run.finish(exit_code=exit_code)
+        print(f"\nstatus:     {progress.status} at update step {progress.update_step}"
+              + (f" ({progress.diverged_reason})" if progress.diverged_reason else "")
+              + (f"\neval:       loss {results['final_eval_loss']:.4f}, ppl {results['final_eval_ppl']:.2f} over "
+                 f"{results['eval_tokens']} tokens" if finished else "")
+              + f"\nrun folder: {self.run_dir}\nmetrics:    {self.metrics_path}\nresults:    {results_path}"
+              + f"\nplot:       {plot_path}"
+              + (f"\nnorm gains: {gains_plot_path}" if gains_plot_path else "")
+              + f"\ncheckpoint: {progress.last_checkpoint or 'none'}"
+              + (f"\nwandb:      {wandb_dir} ({training_utils.wandb_mode()})" if wandb_dir else ""),
+              flush=True)
+
+
+def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStack) -> int:
+    """Set-up, the loop, the results. Each update: train_step, then (unless it diverged) apply, a metrics row, an
+    evaluation and a save when due; a stop signal ends the loop after a save."""
+    try:
+        run = Run(args, rank, world_size, device, on_exit)
+    except AlreadyFinished:
+        return 0
+    progress = run.progress
+    run.log(f"training {args.num_training_steps - progress.update_step} updates of {args.total_batch_size} "
+            f"sequences x {args.max_length} tokens (batch {args.batch_size} x accumulation "
+            f"{args.gradient_accumulation} x world {world_size}); run folder {run.run_dir}")
+    # Closed however the run ends, so that an error message gets a line of its own.
+    bar = on_exit.enter_context(tqdm(total=args.num_training_steps, initial=progress.update_step,
+                                     desc="update steps", ncols=100, disable=not run.is_main))
+    first_update = progress.update_step + 1
+    run.train_model.train()
+    while progress.update_step < args.num_training_steps:
+        update_start = time.perf_counter()
+        update = run.train_step()
+        row = {"step": progress.update_step + 1, "loss": update.loss, "lr": run.optimizer.param_groups[0]["lr"],
+               "grad_norm": update.grad_norm}
+        diverged = run.divergence(update)
+        if diverged is not None:  # the update is never applied
+            run.optimizer.zero_grad(set_to_none=True)
+            progress.update_step += 1
+            run.write_row(dict(row, tokens_seen=progress.tokens_seen, diverged=diverged))
+            run.stop_as_diverged(diverged, "stopping (last checkpoint kept)")
             break
-
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        update_step += 1
-        tokens_seen += step_tokens
-        row = {"step": update_step, "loss": step_loss, "lr": lr, "grad_norm": grad_norm, "tokens_seen": tokens_seen,
-               "tokens_per_s": step_tokens / (time.perf_counter() - update_start)}
-        if args.compile and update_step == first_compiled_step:
-            log(f"torch.compile: the first update took {time.perf_counter() - update_start:.1f} s, compilation "
-                f"included")
-        stopping = stopping and update_step < args.num_training_steps  # the last update finishes the run anyway
-        saving = update_step % args.save_every == 0 or update_step == args.num_training_steps or stopping
-        if saving and not training_utils.parameters_finite(model, device):
-            status, diverged_reason = "diverged", f"non-finite weights after update step {update_step}"
-            row["diverged"] = diverged_reason
-            saving = False
-        elif update_step % args.eval_every == 0 or update_step == args.num_training_steps:
-            last_eval = dict(run_eval(), step=update_step)
-            row.update(eval_loss=last_eval["eval_loss"], eval_ppl=last_eval["eval_ppl"],  # gains: every rank (FSDP)
-                       norm_gain_mean=training_utils.mean_norm_gains(model),
-                       final_norm_gain_mean=training_utils.final_norm_gain(model))
-            log(f"step {update_step}: eval loss {last_eval['eval_loss']:.4f} ppl {last_eval['eval_ppl']:.2f} "
-                f"over {last_eval['eval_tokens']} tokens")
-        with rank0_writes.held():
-            if is_main:
-                metrics.write(row)
-                if wandb_run is not None:
-                    wandb_run.log(row, step=update_step)
-                bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{lr:.2e}")
-                bar.update(1)
-        if status == "diverged":
-            log(f"diverged at update step {update_step}: {diverged_reason}; not saved (last checkpoint kept)")
+        run.apply(update)
+        row.update(tokens_seen=progress.tokens_seen, tokens_per_s=update.tokens / (time.perf_counter() - update_start))
+        if args.compile and progress.update_step == first_update:
+            run.log(f"torch.compile: the first update took {time.perf_counter() - update_start:.1f} s, compilation "
+                    f"included")
+        last = progress.update_step == args.num_training_steps
+        stopping = update.stop_requested and not last  # the last update finishes the run anyway
+        saving = progress.update_step % args.save_every == 0 or last or stopping
+        if saving and not training_utils.parameters_finite(run.model, device):
+            row["diverged"] = f"non-finite weights after update step {progress.update_step}"
+        elif progress.update_step % args.eval_every == 0 or last:
+            evaluation = run.evaluate()
+            row.update(eval_loss=evaluation["eval_loss"], eval_ppl=evaluation["eval_ppl"],  # gains: every rank (FSDP)
+                       norm_gain_mean=training_utils.mean_norm_gains(run.model),
+                       final_norm_gain_mean=training_utils.final_norm_gain(run.model))
+            run.log(f"step {progress.update_step}: eval loss {evaluation['eval_loss']:.4f} ppl "
+                    f"{evaluation['eval_ppl']:.2f} over {evaluation['eval_tokens']} tokens")
+        run.write_row(row)
+        if run.is_main:
+            bar.set_postfix(loss=f"{update.loss:.3f}", lr=f"{row['lr']:.2e}")
+            bar.update(1)
+        if "diverged" in row:
+            run.stop_as_diverged(row["diverged"], "not saved (last checkpoint kept)")
             break
         if saving:
-            last_checkpoint = save(update_step)
+            run.save()
         if stopping:
-            status = "stopped"
-            log(f"{stop.signal_name or 'a stop signal (on another rank)'}: stopped after update step {update_step}; "
-                f"the same command with --resume auto (or --continue_from {run_dir}) continues the run")
+            progress.status = "stopped"
+            run.log(f"{run.stop.signal_name or 'a stop signal (on another rank)'}: stopped after update step "
+                    f"{progress.update_step}; the same command with --resume auto (or --continue_from {run.run_dir}) "
+                    f"continues the run")
             break
     bar.close()
-    stream.close()
-    if last_eval is None and status == "finished":  # resumed at the last step: the results were never written
-        last_eval = dict(run_eval(), step=update_step)
-
-    # ---- results: written by rank 0; every rank leaves with its outcome -------------------------------------------
-    exit_code = {"finished": 0, "diverged": training_utils.EXIT_DIVERGED,
-                 "stopped": training_utils.EXIT_STOPPED}[status]
-    with failure_shared_by_every_rank(run_dir):
-        if is_main:
-            rank0_writes.raise_held()  # a row of the last update that rank 0 failed to write
-            metrics.close()
-            results = {
-                "status": status,
-                "step": update_step,
-                "num_training_steps": args.num_training_steps,
-                "final_eval_loss": last_eval["eval_loss"] if status == "finished" else None,
-                "final_eval_ppl": last_eval["eval_ppl"] if status == "finished" else None,
-                "eval_tokens": last_eval["eval_tokens"] if status == "finished" else None,
-                "tokens_seen": tokens_seen,
-                "diverged_reason": diverged_reason,
-                "stop_signal": stop.signal_name if status == "stopped" else None,
-                "norm_type": config.norm_type,
-                "post_num": config.post_num,
-                "model_config": args.model_config,
-                "checkpoint": last_checkpoint,
-            }
-            results_path = os.path.join(run_dir, "results.json")
-            run_folder.write_json_atomic(results_path, {k: training_utils._json_safe(v) for k, v in results.items()})
-            plot_path = os.path.join(run_dir, "loss_curve.png")
-            training_utils.plot_loss_curve(metrics_path, plot_path, title=f"{args.run_name} ({status})")
-            gains_plot_path = training_utils.plot_norm_gains(metrics_path, os.path.join(run_dir, "norm_gains.png"),
-                                                             title=f"{args.run_name}: mean RMSNorm gain per layer")
-            wandb_dir = wandb_run.dir if wandb_run is not None else None
-            if wandb_run is not None:
-                wandb_run.summary.update({k: v for k, v in results.items() if v is not None})
-                wandb_run.finish(exit_code=exit_code)
-            print(f"\nstatus:     {status} at update step {update_step}"
-                  + (f" ({diverged_reason})" if diverged_reason else "")
-                  + (f"\neval:       loss {results['final_eval_loss']:.4f}, ppl {results['final_eval_ppl']:.2f} over "
-                     f"{results['eval_tokens']} tokens" if status == "finished" else "")
-                  + f"\nrun folder: {run_dir}\nmetrics:    {metrics_path}\nresults:    {results_path}"
-                  + f"\nplot:       {plot_path}"
-                  + (f"\nnorm gains: {gains_plot_path}" if gains_plot_path else "")
-                  + f"\ncheckpoint: {last_checkpoint or 'none'}"
-                  + (f"\nwandb:      {wandb_dir} ({training_utils.wandb_mode()})" if wandb_dir else ""),
-                  flush=True)
-    return exit_code
+    return run.finish()
 
 
 if __name__ == "__main__":

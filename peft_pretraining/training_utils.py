@@ -452,12 +452,12 @@ def load_optimizer_state(model, optimizer, optimizer_state: dict):
 # Metrics, plot, wandb
 # ----------------------------------------------------------------------------------------------------------------
 
-def _json_safe(value):
+def json_safe(value):
     """NaN/inf are not JSON: write null (the run's status says why); lists element by element."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, list):
-        return [_json_safe(item) for item in value]
+        return [json_safe(item) for item in value]
     return value
 
 
@@ -488,7 +488,7 @@ class MetricsFile:
         run_folder.write_lines_atomic(self.path, kept)
 
     def write(self, row: dict):
-        self._file.write(json.dumps({k: _json_safe(v) for k, v in row.items()}, allow_nan=False) + "\n")
+        self._file.write(json.dumps({k: json_safe(v) for k, v in row.items()}, allow_nan=False) + "\n")
         self._file.flush()
 
     def sync(self):
