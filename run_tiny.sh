@@ -10,7 +10,11 @@
 # utils/launch_trainer.sh).
 set -euo pipefail
 cd "$(dirname "$0")"
-norm_type=${1:?usage: bash run_tiny.sh NORM_TYPE [POST_NUM] [extra torchrun_main.py flags]}
+if [[ $# -lt 1 ]]; then  # bad input: exit 2, as the trainer's own bad-input errors
+    echo "run_tiny.sh: error: usage: bash run_tiny.sh NORM_TYPE [POST_NUM] [extra torchrun_main.py flags]" >&2
+    exit 2
+fi
+norm_type=$1
 shift
 post_num=""
 if [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; then post_num=$1; shift; fi

@@ -213,3 +213,23 @@ def test_the_default_token_count_is_the_papers_on_a_gpu_and_fits_the_novel_on_a_
     args = angular_analysis.build_parser().parse_args([])
     assert model_io.resolve_num_tokens(args, torch.device(device), "angular") == expected
     assert ("65,536 tokens by default (262,144 on a GPU)" in capsys.readouterr().err) == (device == "cpu")
+
+
+@pytest.mark.parametrize("path, reason", [("runs/no_such_checkpoint", "runs/ is a local folder"),
+                                          ("./no_such", "starts with"), ("a/b/c", "at most one '/'")])
+def test_a_missing_local_path_fails_at_once_without_asking_the_hub(path, reason, tmp_path, monkeypatch, capsys):
+    """runs/no_such_checkpoint was taken for a hub id: five network retries, 12 lines and 28 s before the error."""
+    import transformers
+
+    from utils import angular_analysis
+
+    (tmp_path / "runs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained",
+                        lambda *args, **kwargs: pytest.fail("asked the hub about a local path"))
+    with pytest.raises(SystemExit) as exit_info:
+        model_io.check_model_path(angular_analysis.build_parser(), path)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and f"--model_path: {path} does not exist" in error[0] and reason in error[0]
+    assert model_io.local_path_reason("Qwen/Qwen3-8B") is None and model_io.local_path_reason("gpt2") is None

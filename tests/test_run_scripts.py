@@ -113,3 +113,11 @@ def test_run_tiny_uses_one_thread_unless_told_otherwise(given, expected, tmp_pat
                           timeout=60, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr
     assert f"threads={expected}\n" in proc.stdout
+
+
+def test_run_tiny_without_a_norm_type_is_bad_input():
+    proc = subprocess.run(["bash", "run_tiny.sh"], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "run_tiny.sh: error: usage: bash run_tiny.sh NORM_TYPE [POST_NUM] [extra torchrun_main.py flags]"]

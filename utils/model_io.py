@@ -93,6 +93,18 @@ def bad_input(parser, message: str):
     parser.exit(2, f"{parser.prog}: error: {message}\n")
 
 
+def local_path_reason(model_path: str) -> str | None:
+    """Why ``model_path`` can only be a local path, or None when it may be a hub id (``name`` or ``owner/name``)."""
+    if model_path.startswith(("/", "./", "../", "~")) or model_path in (".", "..") or "\\" in model_path:
+        return "it starts with /, ./, ../ or ~"
+    parts = model_path.split("/")
+    if len(parts) > 2:
+        return "a hub id has at most one '/'"
+    if len(parts) == 2 and Path(parts[0]).is_dir():
+        return f"{parts[0]}/ is a local folder"
+    return None
+
+
 def check_model_path(parser, model_path: str, flag: str = "--model_path") -> None:
     """Before any work: a local folder with a readable config.json, or a model the hub (or its cache) knows.
     Otherwise a one-line error naming `flag` (exit 2)."""
@@ -105,6 +117,9 @@ def check_model_path(parser, model_path: str, flag: str = "--model_path") -> Non
         if config is None:
             bad_input(parser, f"{flag}: {model_path} is not a model folder (no config.json)")
         return
+    local_because = local_path_reason(model_path)
+    if local_because:  # asking the hub for it would only retry, for half a minute offline
+        bad_input(parser, f"{flag}: {model_path} does not exist (a local path, not a hub id: {local_because})")
     from transformers import AutoConfig
 
     try:
