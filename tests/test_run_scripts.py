@@ -121,3 +121,26 @@ def test_run_tiny_without_a_norm_type_is_bad_input():
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
         "run_tiny.sh: error: usage: bash run_tiny.sh NORM_TYPE [POST_NUM] [extra torchrun_main.py flags]"]
+
+
+def test_benchmark_gpus_chunked_loss_is_the_models_loss():
+    """A loss variant the GPU benchmark measures must be the same function before it can be adopted: chunks of 7
+    tokens (the last one short), recomputed in backward, give the model's loss and gradients in fp32."""
+    import torch
+
+    from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config
+    from utils import benchmark_gpu
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(build_config(REPO / "configs/llama_tiny.json"))
+    tokens = torch.randint(3, 1000, (2, 11))
+    results = []
+    for loss in ("standard", "chunked"):
+        model.zero_grad()
+        value = benchmark_gpu.lm_loss(model, tokens, loss, chunk_tokens=7)
+        value.backward()
+        results.append((value.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
+    (standard, standard_grads), (chunked, chunked_grads) = results
+    torch.testing.assert_close(chunked, standard, rtol=1e-6, atol=1e-6)
+    for name, grad in standard_grads.items():
+        torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)

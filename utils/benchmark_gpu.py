@@ -4,6 +4,13 @@
                                                                    # pure bf16 and mixed
     python utils/benchmark_gpu.py --configs configs/llama_1b.json --batch_size 16 --modes eager --dtypes mixed
     python utils/benchmark_gpu.py --peak_tflops 400                # a GPU missing from the table below
+    python utils/benchmark_gpu.py --configs configs/llama_130m.json --losses standard chunked liger --batch_size 64 128
+
+--losses compares ways of computing the lm_head and its loss (all the same function; tests/test_run_scripts.py
+checks chunked against standard): standard (the model's: full logits, upcast to fp32), chunked (--loss_chunk tokens
+of logits at a time, each recomputed in backward, so the fp32 logits of a micro-batch, 2.1 GB at 130M, never exist
+at once) and liger (liger-kernel's fused linear + cross-entropy, when installed: `pip install liger-kernel`).
+Several --batch_size values measure a larger micro-batch (the trainer keeps the total batch through accumulation).
 
 One step is what torchrun_main.py does per update at accumulation 1: forward (under bf16 autocast for mixed),
 backward, global grad norm, fused Adam step. The model is the trainer's (Pre-LN; --norm_type picks another).
@@ -13,6 +20,7 @@ MFU = model FLOPs per second / the GPU's dense bf16 peak, with model FLOPs per t
 the PaLM convention, attention not halved for causality). The peak is looked up by device name and printed.
 """
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -22,6 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 from peft_pretraining import training_utils  # noqa: E402
 from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
@@ -48,8 +58,33 @@ def model_flops_per_token(config, seq_len: int) -> int:
     return 6 * matmul_params + 12 * layers * hidden * seq_len
 
 
+LOSSES = ("standard", "chunked", "liger")
+
+
+def _summed_chunk_loss(hidden, weight, targets):
+    return F.cross_entropy(F.linear(hidden, weight).float(), targets, ignore_index=-100, reduction="sum")
+
+
+def lm_loss(model, tokens, loss: str, chunk_tokens: int = 8192):
+    """The model's next-token loss on `tokens` (labels = inputs), computed the `loss` way."""
+    if loss == "standard":
+        return model(input_ids=tokens, labels=tokens).loss
+    hidden, _ = model.model(tokens, None, False)
+    hidden = hidden.flatten(0, 1)
+    targets = F.pad(tokens[:, 1:], (0, 1), value=-100).flatten()
+    weight = model.lm_head.weight
+    if loss == "liger":
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        return LigerFusedLinearCrossEntropyLoss()(weight, hidden, targets)
+    total = sum(checkpoint(_summed_chunk_loss, hidden[start:start + chunk_tokens], weight,
+                           targets[start:start + chunk_tokens], use_reentrant=False)
+                for start in range(0, hidden.shape[0], chunk_tokens))
+    return total / (targets != -100).sum()
+
+
 def measure(config_path, *, dtype: str, compiled: bool, batch: int, seq_len: int, steps: int, warmup: int,
-            norm_type: str, activation_checkpointing: bool) -> dict:
+            norm_type: str, activation_checkpointing: bool, loss: str = "standard", loss_chunk: int = 8192) -> dict:
     device = torch.device("cuda")
     config = build_config(config_path, norm_type=norm_type)
     torch.manual_seed(0)
@@ -59,14 +94,17 @@ def measure(config_path, *, dtype: str, compiled: bool, batch: int, seq_len: int
     model = model.to(device).train()
     if activation_checkpointing:
         model.activation_checkpointing_enable()
-    runner = torch.compile(model) if compiled else model
+    def loss_of(tokens):
+        return lm_loss(model, tokens, loss, loss_chunk)
+
+    runner = torch.compile(loss_of) if compiled else loss_of
     optimizer = training_utils.build_optimizer(model.parameters(), "adam", 1e-4, 0.0)
     tokens = torch.randint(0, config.vocab_size, (batch, seq_len), device=device)
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == "mixed"):
-            loss = runner(input_ids=tokens, labels=tokens).loss
-        loss.backward()
+            step_loss = runner(tokens)
+        step_loss.backward()
         training_utils.grad_norm_and_clip(model.parameters(), 0.0)  # the trainer logs it every update
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -83,7 +121,7 @@ def measure(config_path, *, dtype: str, compiled: bool, batch: int, seq_len: int
         seconds.append(time.perf_counter() - start)
     median = statistics.median(seconds)
     tokens_per_s = batch * seq_len / median
-    return {"config": Path(config_path).name, "dtype": dtype, "compiled": compiled, "batch": batch,
+    return {"config": Path(config_path).name, "dtype": dtype, "compiled": compiled, "batch": batch, "loss": loss,
             "seq_len": seq_len, "activation_checkpointing": activation_checkpointing,
             "step_ms_median": round(median * 1e3, 2), "step_ms_min": round(min(seconds) * 1e3, 2),
             "step_ms_max": round(max(seconds) * 1e3, 2), "tokens_per_s": round(tokens_per_s),
@@ -97,7 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
                         default=[str(REPO / "configs/llama_130m.json"), str(REPO / "configs/llama_1b.json")])
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "mixed"], choices=["bfloat16", "mixed"])
     parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
-    parser.add_argument("--batch_size", type=int, default=None, help="default: the paper's micro-batch per config")
+    parser.add_argument("--batch_size", type=int, nargs="+", default=None,
+                        help="micro-batches to measure (default: the paper's micro-batch per config)")
+    parser.add_argument("--losses", nargs="+", default=["standard"], choices=LOSSES)
+    parser.add_argument("--loss_chunk", type=int, default=8192, help="tokens of logits per chunk (--losses chunked)")
     parser.add_argument("--seq_len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=5)
@@ -117,11 +158,16 @@ def main(argv=None):
         parser.exit(2, f"benchmark_gpu.py: error: {message}\n")
 
     for flag, value, least in (("steps", args.steps, 1), ("warmup", args.warmup, 0), ("seq_len", args.seq_len, 1),
-                               ("batch_size", args.batch_size, 1)):
+                               ("batch_size", min(args.batch_size or [1]), 1), ("loss_chunk", args.loss_chunk, 1)):
         if value is not None and value < least:
             parser.error(f"--{flag} must be at least {least}, got {value}")
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         parser.error(f"--peak_tflops must be positive, got {args.peak_tflops}")
+    if "liger" in args.losses:
+        try:
+            import liger_kernel  # noqa: F401
+        except ImportError:
+            fail("--losses liger: liger-kernel is not installed (pip install liger-kernel)")
     if not torch.cuda.is_available():
         fail("no CUDA device is visible; this benchmark measures the GPU step (utils/benchmark_model.py runs on CPU)")
     for path in args.configs:
@@ -138,17 +184,17 @@ def main(argv=None):
 
     rows = []
     for path in args.configs:
-        batch = args.batch_size or PAPER_MICRO_BATCH[Path(path).name]
-        for dtype in args.dtypes:
-            for mode in args.modes:
+        for batch in args.batch_size or [PAPER_MICRO_BATCH[Path(path).name]]:
+            for dtype, mode, loss in itertools.product(args.dtypes, args.modes, args.losses):
                 try:
                     row = measure(path, dtype=dtype, compiled=mode == "compiled", batch=batch, seq_len=args.seq_len,
                                   steps=args.steps, warmup=args.warmup, norm_type=args.norm_type,
-                                  activation_checkpointing=args.activation_checkpointing)
+                                  activation_checkpointing=args.activation_checkpointing, loss=loss,
+                                  loss_chunk=args.loss_chunk)
                     row["mfu"] = round(row["model_tflops_per_s"] / peak, 3)
                 except torch.OutOfMemoryError:
                     row = {"config": Path(path).name, "dtype": dtype, "compiled": mode == "compiled",
-                           "batch": batch, "error": "out of memory"}
+                           "batch": batch, "loss": loss, "error": "out of memory"}
                 torch.cuda.empty_cache()
                 row.update(device=device_name, peak_tflops=peak)
                 rows.append(row)
