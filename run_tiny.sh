@@ -6,18 +6,11 @@
 # PYTHON picks the interpreter (default: python); NPROC=2 runs two CPU processes through torchrun (gloo).
 # One thread per process unless OMP_NUM_THREADS says otherwise: at this size a second thread buys nothing on an
 # idle machine, and beside other work it is much slower (threads of one process wait on each other).
-# Exit code: 0 finished, 1 error, 2 bad input, 3 diverged, 4 disk full (read back from the ranks by
-# utils/launch_trainer.sh).
+# Exit code: docs/training.md#exit-codes (read back from the ranks by utils/launch_trainer.sh).
 set -euo pipefail
 cd "$(dirname "$0")"
-if [[ $# -lt 1 ]]; then  # bad input: exit 2, as the trainer's own bad-input errors
-    echo "run_tiny.sh: error: usage: bash run_tiny.sh NORM_TYPE [POST_NUM] [extra torchrun_main.py flags]" >&2
-    exit 2
-fi
-norm_type=$1
-shift
-post_num=""
-if [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; then post_num=$1; shift; fi
+script=run_tiny.sh
+source utils/run_arguments.sh
 if [[ ${norm_type,,} == post_pre && -z $post_num ]]; then post_num=6; fi  # Mix-LN: a quarter of the 24 layers
 run_name="tiny_${norm_type,,}"
 if [[ ${norm_type,,} == post_pre ]]; then run_name+="_post$post_num"; fi

@@ -26,6 +26,7 @@ Benchmarks and estimates (docs/benchmarks.md):
 
 Launching (shell scripts):
     launch_trainer.sh   runs a trainer command and exits with the trainer's own code
+    run_arguments.sh    the arguments every run script takes: NORM_TYPE [POST_NUM] [extra flags]
     gpu_recipe.sh       the paper's GPU recipes, sourced by run_130m.sh ... run_1b.sh
     gpu_processes       how many processes a GPU recipe starts, and whether it compiles
     gpu_smoke.sh        a 50-update GPU smoke run of the 130M recipe on offline stand-ins

@@ -11,14 +11,7 @@
 #                  save and exit 5; the same command with --resume auto continues the run exactly
 #                  (utils/launch_trainer.sh, docs/reliability.md).
 # Exit code: docs/training.md#exit-codes (each rank's own code, read back by utils/launch_trainer.sh).
-if [[ $# -eq 0 ]]; then
-    echo "$script: error: usage: bash $script NORM_TYPE [POST_NUM] [extra torchrun_main.py flags]" >&2
-    exit 2
-fi
-norm_type=$1
-shift
-post_num=""
-if [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; then post_num=$1; shift; fi
+source utils/run_arguments.sh
 run_name="${size}_${norm_type,,}"
 if [[ ${norm_type,,} == post_pre && -n $post_num ]]; then run_name+="_post$post_num"; fi
 run_name+="_lr$lr"
