@@ -76,10 +76,10 @@ def open_run_folder(args, rank: int, resume_step: int | None, on_exit: contextli
                 refusal[0] = (refusal[0], run_folder.EXIT_NO_SPACE)
         else:
             # Decided under the lock: a run that ended while this one was starting is not taken over.
-            if resume_step is None and args_utils.holds_a_run(run_dir):
+            if resume_step is None and run_folder.holds_a_run(run_dir):
                 refusal[0] = f"--save_dir {run_dir} already holds a run; pass --continue_from {run_dir} to resume it"
-            elif resume_step is not None and args_utils.branches_into_another_run(args.continue_from, run_dir):
-                refusal[0] = args_utils.branch_refusal(args.continue_from, run_dir)
+            elif resume_step is not None and run_folder.branches_into_another_run(args.continue_from, run_dir):
+                refusal[0] = run_folder.branch_refusal(args.continue_from, run_dir)
             else:
                 notes = run_folder.recover(run_dir)
                 if resume_step is not None:
@@ -92,7 +92,7 @@ def open_run_folder(args, rank: int, resume_step: int | None, on_exit: contextli
     if refusal[0] is not None:
         raise BadInput(refusal[0])
     if args.continue_from is not None and not os.path.exists(args.continue_from):  # a .model_N.old just restored
-        args.continue_from = training_utils.checkpoint_dir(run_dir, resume_step)
+        args.continue_from = checkpointing.checkpoint_dir(run_dir, resume_step)
     args.save_dir = run_dir  # from here on, errors name the folder in use
     return run_dir
 
@@ -142,7 +142,7 @@ def check_checkpoint_matches(args, config, checkpoint: str):
 def unfinished_last_checkpoint(args, resume_state: dict) -> bool:
     """The run's last checkpoint, resumed in its own folder, which has no results.json: the run stopped between its
     last save and its results, and resuming it only evaluates and writes them."""
-    own_folder = args_utils.checkpoint_run_folder(args.continue_from)
+    own_folder = run_folder.checkpoint_run_folder(args.continue_from)
     return (resume_state["update_step"] == args.num_training_steps and os.path.realpath(args.save_dir) == own_folder
             and not os.path.exists(os.path.join(own_folder, "results.json")))
 
@@ -242,7 +242,7 @@ def out_of_memory_message(args, rank: int, world_size: int) -> str:
               f"{args.gradient_accumulation * 2}" if smaller >= 1 and args.batch_size % 2 == 0 else "")
     if not args.activation_checkpointing:
         advice += (" or " if advice else "") + "--activation_checkpointing"
-    last = args_utils.find_checkpoint(args.save_dir) if args.save_dir and os.path.isdir(args.save_dir) else None
+    last = run_folder.find_checkpoint(args.save_dir) if args.save_dir and os.path.isdir(args.save_dir) else None
     where = f"rank {rank}: " if world_size > 1 else ""
     return (f"{where}out of memory with --batch_size {args.batch_size} (--dtype {args.dtype}); "
             f"{'try ' + advice if advice else 'a smaller model or more devices'}; last good checkpoint: "
@@ -283,7 +283,7 @@ def main(argv=None) -> int:
             sys.stdout.flush()
             os._exit(report_exit_code(training_utils.EXIT_OUT_OF_MEMORY))
         code = training_utils.EXIT_OUT_OF_MEMORY
-    except (BadInput, training_utils.CheckpointError) as err:
+    except (BadInput, checkpointing.CheckpointError) as err:
         code = error(err, 2)
     except run_folder.SaveFailed as err:  # raised on every rank, with the code rank 0 chose
         code = error(err, err.exit_code)
@@ -379,7 +379,7 @@ class Run:
         if args.continue_from is None:
             return None
         check_checkpoint_matches(args, self.config, args.continue_from)
-        state = training_utils.load_training_state(args.continue_from)
+        state = checkpointing.load_training_state(args.continue_from)
         if state["world_size"] != self.world_size:
             raise BadInput(f"--continue_from {args.continue_from}: saved with world size {state['world_size']}, "
                            f"this run has {self.world_size} (the data position is per rank)")
@@ -397,7 +397,7 @@ class Run:
         with torch.device("meta") if meta_init else contextlib.nullcontext():
             model = LlamaForCausalLM(config)
         if resume_state is not None and not resume_state.get("sharded"):
-            training_utils.load_model_weights(args.continue_from, model)
+            checkpointing.load_model_weights(args.continue_from, model)
         if args.dtype == "bfloat16":
             model = model.to(dtype=torch.bfloat16)  # pure bf16 weights and optimizer state, as in the paper
         if not meta_init:
@@ -433,12 +433,12 @@ class Run:
         args, progress = self.args, self.progress
         if sharded:
             try:
-                with training_utils.keeping_adam_kernel(self.optimizer):
+                with checkpointing.keeping_adam_kernel(self.optimizer):
                     checkpointing.load_sharded(args.continue_from, self.train_model, self.optimizer)
             except checkpointing.ShardedLoadError as err:
-                raise training_utils.CheckpointError(str(err)) from err
+                raise checkpointing.CheckpointError(str(err)) from err
         elif resume_state is not None:
-            training_utils.load_optimizer_state(self.train_model, self.optimizer, resume_state["optimizer"])
+            checkpointing.load_optimizer_state(self.train_model, self.optimizer, resume_state["optimizer"])
         if resume_state is not None:
             progress.update_step, progress.tokens_seen = resume_state["update_step"], resume_state["tokens_seen"]
         # On resume the schedule continues at update_step with this command line's --lr/--warmup_steps/...
@@ -563,13 +563,13 @@ class Run:
             sharded_dir = checkpointing.save_sharded(run_dir, step, self.train_model, self.optimizer)
             model_state, optimizer_state = checkpointing.full_model_state(self.train_model), None
         else:
-            model_state, optimizer_state = training_utils.full_state_dicts(self.train_model, self.optimizer)
+            model_state, optimizer_state = checkpointing.full_state_dicts(self.train_model, self.optimizer)
         rng_states = training_utils.gather_rank_objects(training_utils.capture_rng_state())
         data_states = training_utils.gather_rank_objects(self.stream.state_dict())
         # DDP replicas must be bit-identical; record every rank's checksum so a silent desync is visible.
         checksums = (training_utils.gather_rank_objects(training_utils.parameter_checksum(self.model))
                      if not args.fsdp else None)
-        path = training_utils.checkpoint_dir(run_dir, step)
+        path = checkpointing.checkpoint_dir(run_dir, step)
         with failure_shared_by_every_rank(
                 run_dir, no_space=f"run folder {run_dir}: no space left on device while saving {path}; removed the "
                                   f"partial checkpoint, the last good one is {progress.last_checkpoint or 'none'}",
@@ -580,7 +580,7 @@ class Run:
                     self.log(f"WARNING: ranks' parameters differ at step {step}: checksums {checksums}")
                 self.rank0_writes.raise_held()  # a row rank 0 failed to write: no checkpoint outlives it
                 self.metrics.sync()  # a power loss may not keep a checkpoint without the rows up to it
-                path = training_utils.save_checkpoint(
+                path = checkpointing.save_checkpoint(
                     run_dir, step, hf_model=self.export_model, model_state=model_state, tokenizer=self.tokenizer,
                     training_state={"update_step": step, "tokens_seen": progress.tokens_seen,
                                     "world_size": self.world_size, "optimizer": optimizer_state,

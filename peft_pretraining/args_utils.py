@@ -28,14 +28,13 @@ from peft_pretraining.modeling_llama import (
     NORM_TYPE_CHOICES,
     canonical_norm_type,
 )
-from peft_pretraining.run_folder import CHECKPOINT_PREFIX, SUPERSEDED_DIR
+from peft_pretraining.run_folder import SUPERSEDED_DIR
 
 # Model options recorded in the checkpoint config: resume takes them from there and refuses a different value.
 MODEL_OPTIONS = ("norm_type", "post_num", "init_method", "layerscale_form", "layerscale_init", "completep_alpha",
                  "deepnorm_init", "embed_init_std")
 DATASET_EMBEDDED = "embedded"
 DEFAULT_HUB_TOKENIZER = "t5-base"
-TRAINING_STATE_FILE = "training_state.pt"
 # About two years. torch counts a collective's deadline in int64 nanoseconds from now, which overflows near 1.5e8
 # minutes (a connect timeout in the past, or a hang); Python's timedelta refuses values above 1.4e12.
 MAX_DIST_TIMEOUT_MINUTES = 1_000_000
@@ -175,70 +174,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def find_checkpoint(path: str) -> str | None:
-    """A checkpoint folder itself, or the highest-step checkpoint of a run folder; None if neither.
-
-    A run folder's checkpoints are its model_<step> folders, and a .model_<step>.old whose model_<step> is missing
-    (a crash between the two renames of a re-save; the trainer restores it at start-up). Checkpoints moved into
-    superseded/ belong to an abandoned history and are never picked.
-    """
-    if os.path.isfile(os.path.join(path, TRAINING_STATE_FILE)):
-        return path
-    candidates = []
-    for sub in glob.glob(os.path.join(path, CHECKPOINT_PREFIX + "*")) + glob.glob(os.path.join(path, ".*.old")):
-        name = os.path.basename(sub).removeprefix(".").removesuffix(".old")
-        suffix = name[len(CHECKPOINT_PREFIX):]
-        if sub.endswith(".old") and os.path.exists(os.path.join(path, name)):
-            continue
-        if name.startswith(CHECKPOINT_PREFIX) and suffix.isdigit() and \
-                os.path.isfile(os.path.join(sub, TRAINING_STATE_FILE)):
-            candidates.append((int(suffix), sub))
-    return max(candidates)[1] if candidates else None
-
-
-def holds_a_run(path: str) -> bool:
-    """A checkpoint or a results.json: a run to resume or a finished one. A folder with only metrics.jsonl is a run
-    killed before its first checkpoint: a fresh start may take it over (its rows move to metrics_superseded.jsonl)."""
-    return os.path.isdir(path) and (os.path.exists(os.path.join(path, "results.json"))
-                                    or find_checkpoint(path) is not None)
-
-
-def branches_into_another_run(checkpoint: str, save_dir: str) -> bool:
-    """--continue_from CHECKPOINT --save_dir SAVE_DIR where SAVE_DIR is not the checkpoint's own run folder and
-    already holds a run: writing there would mix that run's history with the branch's. A run killed before its
-    first checkpoint counts when its metrics.jsonl has rows up to the branch step; rows only after it are an
-    interrupted attempt of this same branch, which the resume moves to metrics_superseded.jsonl."""
-    if os.path.realpath(save_dir) == checkpoint_run_folder(checkpoint):
-        return False
-    return holds_a_run(save_dir) or _has_rows_up_to(os.path.join(save_dir, "metrics.jsonl"), _step_of(checkpoint))
-
-
-def _step_of(checkpoint: str) -> int | None:
-    suffix = os.path.basename(os.path.normpath(checkpoint))[len(CHECKPOINT_PREFIX):]
-    return int(suffix) if suffix.isdigit() else None
-
-
-def _has_rows_up_to(metrics_path: str, step: int | None) -> bool:
-    if not os.path.isfile(metrics_path):
-        return False
-    try:
-        lines, _ = run_folder.read_jsonl(metrics_path)
-    except ValueError:
-        return True  # a damaged history is still another history
-    return any(step is None or json.loads(line).get("step", 0) <= step for line in lines)
-
-
-def checkpoint_run_folder(checkpoint: str) -> str:
-    """The run folder a checkpoint belongs to (its parent), resolved."""
-    return os.path.realpath(os.path.dirname(os.path.abspath(checkpoint)))
-
-
-def branch_refusal(checkpoint: str, save_dir: str) -> str:
-    return (f"--save_dir {save_dir} already holds another run, and --continue_from {checkpoint} belongs to "
-            f"{checkpoint_run_folder(checkpoint)}; branch into a new --save_dir, or resume "
-            f"{save_dir} with --continue_from {save_dir}")
-
-
 def check_save_dir(save_dir: str) -> str | None:
     """Why --save_dir cannot become a run folder (one line), or None. Creates nothing: an existing non-folder, or an
     existing component of its path that is not a folder or not writable (makedirs would fail there). Other failures
@@ -320,7 +255,7 @@ def resolve_resume_auto(args, parser):
             parser.error("--resume auto needs --save_dir, or --run_name for runs/<run_name>: a requeued job must "
                          "find the same folder")
         args.save_dir = os.path.join("runs", args.run_name)
-    if os.path.isdir(args.save_dir) and find_checkpoint(args.save_dir) is not None:
+    if os.path.isdir(args.save_dir) and run_folder.find_checkpoint(args.save_dir) is not None:
         args.continue_from = args.save_dir
 
 
@@ -340,17 +275,17 @@ def check_args(args, parser, world_size: int):
     if args.resume == "auto":
         resolve_resume_auto(args, parser)
     if args.continue_from is not None:
-        checkpoint = find_checkpoint(args.continue_from)
+        checkpoint = run_folder.find_checkpoint(args.continue_from)
         if checkpoint is None and os.path.isfile(os.path.join(args.continue_from, "metrics.jsonl")):
             parser.error(f"--continue_from {args.continue_from}: the run stopped before its first checkpoint, so "
                          f"there is nothing to resume; start it again with --save_dir {args.continue_from} and "
                          f"without --continue_from")
         if checkpoint is None:
             what = "does not exist" if not os.path.exists(args.continue_from) else \
-                f"holds no checkpoint ({TRAINING_STATE_FILE} missing)"
+                f"holds no checkpoint ({run_folder.TRAINING_STATE_FILE} missing)"
             parser.error(f"--continue_from {args.continue_from}: {what}")
         args.continue_from = checkpoint
-        for needed in ("config.json", TRAINING_STATE_FILE):
+        for needed in ("config.json", run_folder.TRAINING_STATE_FILE):
             if not os.path.isfile(os.path.join(checkpoint, needed)):
                 parser.error(f"--continue_from {checkpoint}: incomplete checkpoint, {needed} missing")
         if not glob.glob(os.path.join(checkpoint, "*.safetensors")):
@@ -460,15 +395,15 @@ def check_args(args, parser, world_size: int):
         holder = run_folder.lock_holder(args.save_dir)
         if holder is not None:
             parser.error(run_folder.busy_message(args.save_dir, holder))
-    if args.save_dir is not None and args.continue_from is None and holds_a_run(args.save_dir):
-        if find_checkpoint(args.save_dir) is None:
+    if args.save_dir is not None and args.continue_from is None and run_folder.holds_a_run(args.save_dir):
+        if run_folder.find_checkpoint(args.save_dir) is None:
             parser.error(f"--save_dir {args.save_dir} already holds a run that ended without a checkpoint "
                          f"(results.json); choose another --save_dir")
         parser.error(f"--save_dir {args.save_dir} already holds a run; pass --continue_from {args.save_dir} to "
                      f"resume it or choose another --save_dir")
     if args.save_dir is not None and args.continue_from is not None and \
-            branches_into_another_run(args.continue_from, args.save_dir):
-        parser.error(branch_refusal(args.continue_from, args.save_dir))
+            run_folder.branches_into_another_run(args.continue_from, args.save_dir):
+        parser.error(run_folder.branch_refusal(args.continue_from, args.save_dir))
     return args
 
 

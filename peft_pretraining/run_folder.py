@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import glob
 import json
 import os
 import re
@@ -28,6 +29,7 @@ import time
 CHECKPOINT_PREFIX = "model_"
 LOCK_FILE = "run.lock"
 SUPERSEDED_DIR = "superseded"
+TRAINING_STATE_FILE = "training_state.pt"
 EXIT_NO_SPACE = 4
 LOCK_WAIT_S = 1.0  # a second process probing the lock holds it for microseconds; do not mistake that for an owner
 
@@ -244,3 +246,71 @@ def is_no_space(err: BaseException, folder: str | None = None) -> bool:
             return True
         err = err.__cause__ or err.__context__
     return False
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Which checkpoint a folder resumes from, and whether it holds a run
+# ----------------------------------------------------------------------------------------------------------------
+
+def find_checkpoint(path: str) -> str | None:
+    """A checkpoint folder itself, or the highest-step checkpoint of a run folder; None if neither.
+
+    A run folder's checkpoints are its model_<step> folders, and a .model_<step>.old whose model_<step> is missing
+    (a crash between the two renames of a re-save; the trainer restores it at start-up). Checkpoints moved into
+    superseded/ belong to an abandoned history and are never picked.
+    """
+    if os.path.isfile(os.path.join(path, TRAINING_STATE_FILE)):
+        return path
+    candidates = []
+    for sub in glob.glob(os.path.join(path, CHECKPOINT_PREFIX + "*")) + glob.glob(os.path.join(path, ".*.old")):
+        name = os.path.basename(sub).removeprefix(".").removesuffix(".old")
+        suffix = name[len(CHECKPOINT_PREFIX):]
+        if sub.endswith(".old") and os.path.exists(os.path.join(path, name)):
+            continue
+        if name.startswith(CHECKPOINT_PREFIX) and suffix.isdigit() and \
+                os.path.isfile(os.path.join(sub, TRAINING_STATE_FILE)):
+            candidates.append((int(suffix), sub))
+    return max(candidates)[1] if candidates else None
+
+
+def holds_a_run(path: str) -> bool:
+    """A checkpoint or a results.json: a run to resume or a finished one. A folder with only metrics.jsonl is a run
+    killed before its first checkpoint: a fresh start may take it over (its rows move to metrics_superseded.jsonl)."""
+    return os.path.isdir(path) and (os.path.exists(os.path.join(path, "results.json"))
+                                    or find_checkpoint(path) is not None)
+
+
+def branches_into_another_run(checkpoint: str, save_dir: str) -> bool:
+    """--continue_from CHECKPOINT --save_dir SAVE_DIR where SAVE_DIR is not the checkpoint's own run folder and
+    already holds a run: writing there would mix that run's history with the branch's. A run killed before its
+    first checkpoint counts when its metrics.jsonl has rows up to the branch step; rows only after it are an
+    interrupted attempt of this same branch, which the resume moves to metrics_superseded.jsonl."""
+    if os.path.realpath(save_dir) == checkpoint_run_folder(checkpoint):
+        return False
+    return holds_a_run(save_dir) or _has_rows_up_to(os.path.join(save_dir, "metrics.jsonl"), _step_of(checkpoint))
+
+
+def _step_of(checkpoint: str) -> int | None:
+    suffix = os.path.basename(os.path.normpath(checkpoint))[len(CHECKPOINT_PREFIX):]
+    return int(suffix) if suffix.isdigit() else None
+
+
+def _has_rows_up_to(metrics_path: str, step: int | None) -> bool:
+    if not os.path.isfile(metrics_path):
+        return False
+    try:
+        lines, _ = read_jsonl(metrics_path)
+    except ValueError:
+        return True  # a damaged history is still another history
+    return any(step is None or json.loads(line).get("step", 0) <= step for line in lines)
+
+
+def checkpoint_run_folder(checkpoint: str) -> str:
+    """The run folder a checkpoint belongs to (its parent), resolved."""
+    return os.path.realpath(os.path.dirname(os.path.abspath(checkpoint)))
+
+
+def branch_refusal(checkpoint: str, save_dir: str) -> str:
+    return (f"--save_dir {save_dir} already holds another run, and --continue_from {checkpoint} belongs to "
+            f"{checkpoint_run_folder(checkpoint)}; branch into a new --save_dir, or resume "
+            f"{save_dir} with --continue_from {save_dir}")

@@ -1,12 +1,10 @@
 """Pieces of the training loop that are worth testing on their own.
 
-Optimizer, learning-rate schedule, token-weighted evaluation, gradient norm, RNG capture, atomic checkpoints,
-metrics file, loss-curve plot and wandb set-up. Distributed code here only uses collectives that are no-ops for a
+Optimizer, learning-rate schedule, token-weighted evaluation, gradient norm, RNG capture, metrics file, loss-curve
+plot and wandb set-up (checkpoints: checkpointing.py). Distributed code here only uses collectives that are no-ops for a
 single process, so every function works with and without torchrun.
 """
-import contextlib
 import ctypes
-import glob
 import json
 import math
 import netrc
@@ -14,34 +12,21 @@ import os
 import random
 import re
 import secrets
-import shutil
-import time
 from contextlib import nullcontext
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 from tqdm import tqdm
 
 from peft_pretraining import run_folder
-from peft_pretraining.args_utils import CHECKPOINT_PREFIX, TRAINING_STATE_FILE
-from peft_pretraining.checkpointing import SHARDED_DIR, copy_safetensors_into
 
-CHECKPOINT_FORMAT = 1
 EXIT_DIVERGED = 3
 EXIT_STOPPED = 5  # SIGTERM or SIGUSR1: the update finished, a checkpoint saved; the same command resumes it
 EXIT_OUT_OF_MEMORY = 6  # the device ran out of memory; the last good checkpoint is kept
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be resumed from; the message names the folder and the bad file."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -305,10 +290,6 @@ def restore_rng_state(state: dict):
 # Checkpoints
 # ----------------------------------------------------------------------------------------------------------------
 
-def checkpoint_dir(run_dir: str, step: int) -> str:
-    return os.path.join(run_dir, f"{CHECKPOINT_PREFIX}{step}")
-
-
 def parameter_checksum(model) -> float:
     """Sum of all parameters in float64: equal on every DDP rank when the replicas are in sync."""
     with torch.no_grad():
@@ -334,118 +315,6 @@ def gather_rank_objects(obj) -> list:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
-
-
-def full_state_dicts(model, optimizer) -> tuple[dict, dict]:
-    """Unsharded model and optimizer state on CPU (collective under FSDP2; keys are parameter names)."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
-
-
-def _fsync_tree(directory: str):
-    for name in os.listdir(directory):
-        path = os.path.join(directory, name)
-        if os.path.isfile(path):
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def save_checkpoint(run_dir: str, step: int, *, hf_model, model_state: dict, tokenizer, training_state: dict,
-                    sharded_dir: str | None = None) -> str:
-    """Write model_<step>/ atomically (rank 0 only): build it under a temporary name, then rename into place.
-
-    A kill at any point leaves either the old folder or the new one, never a half-written checkpoint under the
-    final name; the previous checkpoints are not touched. `sharded_dir` (FSDP2: the ranks' DCP files, already
-    written) is moved in as model_<step>/sharded.
-    """
-    final = checkpoint_dir(run_dir, step)
-    tmp = os.path.join(run_dir, f".{CHECKPOINT_PREFIX}{step}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    hf_model.save_pretrained(tmp, state_dict=model_state)  # safetensors + config.json (+ modeling code)
-    tokenizer.save_pretrained(tmp)
-    if sharded_dir is not None:
-        os.rename(sharded_dir, os.path.join(tmp, SHARDED_DIR))
-    torch.save(dict(training_state, format=CHECKPOINT_FORMAT), os.path.join(tmp, TRAINING_STATE_FILE))
-    summary = {k: training_state.get(k) for k in ("update_step", "tokens_seen", "world_size", "rank_param_checksums")}
-    summary["saved_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    with open(os.path.join(tmp, "training_state.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    _fsync_tree(tmp)
-    if os.path.exists(final):  # same step saved by an earlier run: swap, then drop the old copy
-        old = os.path.join(run_dir, f".{CHECKPOINT_PREFIX}{step}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, final)
-    return final
-
-
-def _short(err: Exception) -> str:
-    first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    return f"{err.__class__.__name__}: {first_line[:160]}"
-
-
-def load_model_weights(checkpoint: str, model) -> None:
-    """Copy the safetensors weights into `model` from memory-mapped files (no second full copy in RAM)."""
-    if not glob.glob(os.path.join(checkpoint, "*.safetensors")):
-        raise CheckpointError(f"--continue_from {checkpoint}: no *.safetensors weights")
-    try:
-        missing = copy_safetensors_into(model, checkpoint)
-    except (KeyError, ValueError) as err:
-        raise CheckpointError(f"--continue_from {checkpoint}: weights do not fit the model ({_short(err)})") from err
-    except Exception as err:  # safetensors raises its own error types for truncated/garbled files
-        raise CheckpointError(f"--continue_from {checkpoint}: corrupt weights ({_short(err)})") from err
-    if missing:
-        raise CheckpointError(f"--continue_from {checkpoint}: weights do not fit the model (missing {missing[:3]})")
-
-
-def load_training_state(checkpoint: str) -> dict:
-    path = os.path.join(checkpoint, TRAINING_STATE_FILE)
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # the optimizer state stays on disk
-    except FileNotFoundError as err:
-        raise CheckpointError(f"--continue_from {checkpoint}: {TRAINING_STATE_FILE} missing") from err
-    except Exception as err:  # truncated zip, garbage bytes, unpickling error
-        raise CheckpointError(f"--continue_from {checkpoint}: corrupt {TRAINING_STATE_FILE} ({_short(err)})") from err
-    needed = ("format", "update_step", "tokens_seen", "world_size", "optimizer", "scheduler", "rng", "data")
-    missing = [k for k in needed if k not in state]
-    if missing:
-        raise CheckpointError(f"--continue_from {checkpoint}: {TRAINING_STATE_FILE} lacks {', '.join(missing)}")
-    if state["format"] != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"--continue_from {checkpoint}: checkpoint format {state['format']}, "
-                              f"this code reads {CHECKPOINT_FORMAT}")
-    return state
-
-
-@contextlib.contextmanager
-def keeping_adam_kernel(optimizer):
-    """Around loading a checkpoint's optimizer state: the saved param groups replace the optimizer's own, kernel
-    choice included, and torch places each `step` counter for the saved kernel. Keep this run's (--adam_kernel): the
-    fused kernel wants `step` on the parameters' device, foreach on the CPU."""
-    kernels = [{key: group[key] for key in ("fused", "foreach") if key in group} for group in optimizer.param_groups]
-    yield
-    for group, kernel in zip(optimizer.param_groups, kernels, strict=True):
-        group.update(kernel)
-        for param in group["params"]:
-            step = optimizer.state.get(param, {}).get("step")
-            if torch.is_tensor(step):
-                on_device = group.get("fused") or group.get("capturable")
-                optimizer.state[param]["step"] = step.to(param.device if on_device else "cpu")
-
-
-def load_optimizer_state(model, optimizer, optimizer_state: dict):
-    for group in optimizer.param_groups:  # the saved groups carry the scheduler's key; build_scheduler resets it
-        group.setdefault("initial_lr", group["lr"])
-    options = StateDictOptions(full_state_dict=True)
-    with keeping_adam_kernel(optimizer):
-        set_optimizer_state_dict(model, optimizer, optim_state_dict=optimizer_state, options=options)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 import torchrun_main
-from peft_pretraining import run_folder, training_utils
+from peft_pretraining import checkpointing, run_folder, training_utils
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 6
@@ -42,11 +42,12 @@ if os.environ.get("FAULT_STAGE"):
     import faulthandler, signal, time
     import torch
 
-    faulthandler.register(signal.SIGUSR2, all_threads=True)  # a test that times out asks for every thread's stack (SIGUSR1 stops the trainer)
-    from peft_pretraining import training_utils
+    # A test that times out asks for every thread's stack (SIGUSR1 would stop the trainer).
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
+    from peft_pretraining import checkpointing, training_utils
 
     stage, fault_step = os.environ["FAULT_STAGE"], int(os.environ.get("FAULT_STEP", "0"))
-    real_save, real_rename, real_replace = training_utils.save_checkpoint, os.rename, os.replace
+    real_save, real_rename, real_replace = checkpointing.save_checkpoint, os.rename, os.replace
 
     def stop():
         if stage.endswith("_pause"):
@@ -76,7 +77,7 @@ if os.environ.get("FAULT_STAGE"):
         real_save(run_dir, step, **kwargs)
         stop()  # after_rename: model_N in place, the run not yet told
 
-    training_utils.save_checkpoint = save_checkpoint
+    checkpointing.save_checkpoint = save_checkpoint
     if stage == "enospc_results_rank0" and os.environ.get("RANK") == "0":
         from peft_pretraining import run_folder
 
@@ -252,17 +253,17 @@ class Killed(BaseException):
 def test_branch_then_resume_never_mixes_histories(reference, tmp_path, monkeypatch):
     run_dir = copy_of(reference, tmp_path)
     old_history = {name: tree_hashes(run_dir / name) for name in ("model_4", "model_6")}
-    real_save = training_utils.save_checkpoint
+    real_save = checkpointing.save_checkpoint
 
     def killed_at_step_4(run_dir_, step, **kwargs):
         if step == 4:
             raise Killed
         return real_save(run_dir_, step, **kwargs)
 
-    monkeypatch.setattr(training_utils, "save_checkpoint", killed_at_step_4)
+    monkeypatch.setattr(checkpointing, "save_checkpoint", killed_at_step_4)
     with pytest.raises(Killed):  # a branch from step 2 with another lr, killed at its step-4 save
         train("--continue_from", run_dir / "model_2", "--lr", "1e-2")
-    monkeypatch.setattr(training_utils, "save_checkpoint", real_save)
+    monkeypatch.setattr(checkpointing, "save_checkpoint", real_save)
 
     # The later checkpoints of the old history moved aside, unchanged; only the branch point is left to resume.
     assert sorted(p.name for p in run_dir.glob("model_*")) == ["model_2"]

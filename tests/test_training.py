@@ -536,7 +536,8 @@ def test_the_adam_kernel_is_a_flag_and_a_resume_keeps_this_runs_choice():
     weights part after a few steps. A loaded checkpoint's param groups must not bring back the kernel it used."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    from peft_pretraining.training_utils import build_optimizer, load_optimizer_state
+    from peft_pretraining.checkpointing import load_optimizer_state
+    from peft_pretraining.training_utils import build_optimizer
 
     tokens = torch.randint(0, 8192, (2, 16), generator=torch.Generator().manual_seed(0))
     trained = {}

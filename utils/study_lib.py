@@ -364,7 +364,7 @@ def run_job(spec: RunSpec, settings: AnalysisSettings, runs_dir: Path, records_d
     reuse_training = same_flags and results_file.is_file()
     log_dir = runs_dir / "logs"
     if not reuse_training:
-        from peft_pretraining.args_utils import find_checkpoint
+        from peft_pretraining.run_folder import find_checkpoint
 
         # an interrupted run with these flags resumes from its last checkpoint; anything else starts over
         checkpoint = find_checkpoint(str(run_dir)) if same_flags else None
