@@ -36,8 +36,14 @@ from peft_pretraining.dataloader import (
     load_tokenizer,
     vocab_size_covering,
 )
-from peft_pretraining.distributed import (broadcast_from_rank0, grad_sync, init_distributed, leave_process_group,
-                                          report_exit_code, wrap_model)
+from peft_pretraining.distributed import (
+    broadcast_from_rank0,
+    grad_sync,
+    init_distributed,
+    leave_process_group,
+    report_exit_code,
+    wrap_model,
+)
 from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config, canonical_norm_type
 
 

@@ -98,7 +98,8 @@ def load_sharded(checkpoint: str, model, optimizer) -> None:
         dcp.load(state, checkpoint_id=directory)
     except (Exception, CheckpointException) as err:  # DCP gathers per-rank failures into a BaseException subclass
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
-        raise ShardedLoadError(f"--continue_from {checkpoint}: cannot read {SHARDED_DIR}/ ({first_line[:200]})") from err
+        raise ShardedLoadError(f"--continue_from {checkpoint}: cannot read {SHARDED_DIR}/ "
+                               f"({first_line[:200]})") from err
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 

@@ -151,7 +151,8 @@ def build_embedded_corpus(source: str | pathlib.Path, out_dir: str | pathlib.Pat
         splits[split].extend({"text": doc, "source": name} for doc in documents)
     for split, records in splits.items():
         _write_jsonl_gz(out_dir / f"{split}.jsonl.gz", records)
-    summary = {split: {"documents": len(r), "characters": sum(len(x["text"]) for x in r)} for split, r in splits.items()}
+    summary = {split: {"documents": len(rows), "characters": sum(len(row["text"]) for row in rows)}
+               for split, rows in splits.items()}
     if tokenizer_dir is not None:
         train_tokenizer([r["text"] for r in splits["train"]], tokenizer_dir)
     return summary
@@ -172,7 +173,8 @@ def train_tokenizer(texts: list[str], out_dir: str | pathlib.Path, vocab_size: i
         raise ValueError(f"tokenizer training produced {backend.get_vocab_size()} ids, expected {vocab_size}")
     eos_id = backend.token_to_id(EOS_TOKEN)
     # Mirror t5-base: encoding with special tokens appends </s>.
-    backend.post_processor = processors.TemplateProcessing(single=f"$A {EOS_TOKEN}", pair=f"$A {EOS_TOKEN} $B {EOS_TOKEN}",
+    backend.post_processor = processors.TemplateProcessing(single=f"$A {EOS_TOKEN}",
+                                                           pair=f"$A {EOS_TOKEN} $B {EOS_TOKEN}",
                                                            special_tokens=[(EOS_TOKEN, eos_id)])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN,
                                         unk_token=UNK_TOKEN, model_max_length=1024)
@@ -644,8 +646,8 @@ class TrainStream:
 
     Position: embedded corpus {"epoch", "document", "token_offset"}; streaming sources {"lane" (the lane the next
     document comes from), "lanes" (per lane: "at", a lane state, and "skip", documents already used after it),
-    "epoch" (the lane epoch of the last document read, for information), "token_offset"}. token_offset counts the tokens of the next
-    document that were already used (packing).
+    "epoch" (the lane epoch of the last document read, for information), "token_offset"}. token_offset counts the
+    tokens of the next document that were already used (packing).
     """
 
     def __init__(self, source, tokenizer, *, max_length: int, packing: bool, batch_size: int, num_workers: int = 0,
@@ -812,8 +814,8 @@ class TrainStream:
         self.close()
         if self.lane_reader:
             if "lanes" not in state:
-                raise ValueError("cannot resume the data stream: the checkpoint's position has no lanes (it was written "
-                                 "for the embedded corpus or by the reader before lanes)")
+                raise ValueError("cannot resume the data stream: the checkpoint's position has no lanes (it was "
+                                 "written for the embedded corpus or by the reader before lanes)")
             self.position = {"lane": int(state["lane"]), "lanes": [dict(lane) for lane in state["lanes"]],
                              "epoch": int(state["epoch"]), "token_offset": int(state["token_offset"])}
         else:

@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     names = [name.strip() for name in args.tasks.split(",") if name.strip()]
     unknown = [name for name in names if name not in LOCAL_TASK_BUILDERS]
     if unknown:
-        parser.error(f"--tasks: unknown local task(s) {', '.join(unknown)}; available: {', '.join(LOCAL_TASK_BUILDERS)}")
+        parser.error(f"--tasks: unknown local task(s) {', '.join(unknown)}; available: "
+                     f"{', '.join(LOCAL_TASK_BUILDERS)}")
     if args.max_documents is not None and args.max_documents < 1:
         parser.error(f"--max_documents: must be positive, got {args.max_documents}")
     try:

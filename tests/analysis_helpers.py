@@ -31,7 +31,8 @@ def tiny_hf_llama(num_layers: int = 3, seed: int = 0) -> LlamaForCausalLM:
 
 
 def tiny_ours(norm_type: str, num_layers: int = 4, seed: int = 0, **overrides):
-    from peft_pretraining.modeling_llama import LlamaForCausalLM as OurLlama, build_config
+    from peft_pretraining.modeling_llama import LlamaForCausalLM as OurLlama
+    from peft_pretraining.modeling_llama import build_config
 
     torch.manual_seed(seed)
     config = build_config(TINY_CONFIG, norm_type=norm_type, num_hidden_layers=num_layers, **overrides)

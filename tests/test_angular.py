@@ -1,4 +1,5 @@
-"""Angular distance: known answers on hand-built models, streaming and padding invariance, hooks vs hidden_states, CLI."""
+"""Angular distance: known answers on hand-built models, streaming and padding invariance, hooks against
+hidden_states, the command line."""
 import gzip
 import json
 import math
@@ -7,8 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from tests.analysis_helpers import (heldout_documents, run_cli, save_with_tokenizer, tiny_hf_llama, tiny_ours,
-                                    with_blocks, write_jsonl)
+from tests.analysis_helpers import (
+    heldout_documents,
+    run_cli,
+    save_with_tokenizer,
+    tiny_hf_llama,
+    tiny_ours,
+    with_blocks,
+    write_jsonl,
+)
 from utils import model_io
 from utils.angular_analysis import AngularDistanceAccumulator, compute_angular_distances
 

@@ -169,7 +169,8 @@ def test_compiled_profile_names_inductors_kernels(tmp_path):
 @pytest.mark.parametrize("cpuinfo, model_name, bf16_hardware", [
     ("processor\t: 0\nmodel name\t: Some x86 CPU\nflags\t\t: fpu sse2 avx512_bf16 amx_bf16\n", "Some x86 CPU",
      "avx512_bf16, amx_bf16"),
-    ("processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd bf16\nCPU implementer\t: 0x41\n", None, "none"),  # aarch64
+    # aarch64
+    ("processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd bf16\nCPU implementer\t: 0x41\n", None, "none"),
 ])
 def test_machine_header_reads_cpuinfo_of_any_architecture(tmp_path, monkeypatch, cpuinfo, model_name, bf16_hardware):
     from pathlib import Path

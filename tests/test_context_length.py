@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import layer_remove
-from tests.analysis_helpers import heldout_documents, save_with_tokenizer, tiny_hf_llama, tiny_ours, write_jsonl
 from peft_pretraining.modeling_llama import export_to_hf_llama
+from tests.analysis_helpers import heldout_documents, save_with_tokenizer, tiny_hf_llama, tiny_ours, write_jsonl
 from utils import angular_analysis, finetune, model_io, variance_analysis
 
 REPO = Path(__file__).resolve().parent.parent

@@ -104,7 +104,8 @@ def test_gutenberg_boilerplate_and_headings_are_stripped():
     raw = ("The Project Gutenberg EBook of X\n\n*** START OF THIS PROJECT GUTENBERG EBOOK X ***\n\nCHAPTER I\n\n"
            "First paragraph\nwrapped here.\n\nSecond one.\n\nChapter 2\n\nThird.\n\n"
            "*** END OF THIS PROJECT GUTENBERG EBOOK X ***\n\nLicence text.")
-    assert data.split_novel_into_documents(raw, min_chars=40) == ["First paragraph wrapped here.\nSecond one.", "Third."]
+    documents = data.split_novel_into_documents(raw, min_chars=40)
+    assert documents == ["First paragraph wrapped here.\nSecond one.", "Third."]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -544,8 +545,10 @@ def test_build_command_reproduces_the_shipped_corpus(tmp_path):
     data.main(["build-embedded", "--source", str(AUSTEN), "--out_dir", str(tmp_path / "embedded"),
                "--tokenizer_dir", str(tmp_path / "tokenizer")])
     for split in data.EMBEDDED_SPLITS:
-        assert (tmp_path / "embedded" / f"{split}.jsonl.gz").read_bytes() == data.embedded_split_path(split).read_bytes()
-    assert (tmp_path / "tokenizer" / "tokenizer.json").read_bytes() == (data.TOKENIZER_DIR / "tokenizer.json").read_bytes()
+        rebuilt = (tmp_path / "embedded" / f"{split}.jsonl.gz").read_bytes()
+        assert rebuilt == data.embedded_split_path(split).read_bytes()
+    rebuilt = (tmp_path / "tokenizer" / "tokenizer.json").read_bytes()
+    assert rebuilt == (data.TOKENIZER_DIR / "tokenizer.json").read_bytes()
 
 
 def test_build_command_rejects_a_bad_source(tmp_path, capsys):

@@ -13,8 +13,8 @@ import argparse
 import contextlib
 import copy
 import functools
-import io
 import importlib
+import io
 import re
 import shlex
 import unicodedata
@@ -396,8 +396,10 @@ def test_every_flag_named_in_the_docs_exists(path):
 
 def test_unknown_flag_checker(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("# A page\n\n| flag | default |\n|---|---|\n| `--keep_last N` | all |\n| `--keep_newest N` | all |\n\n"
-                    "```bash\ntorchrun --nproc_per_node 2 torchrun_main.py --batch_size 4  # --not_a_flag_anywhere\n```\n"
+    page.write_text("# A page\n\n| flag | default |\n|---|---|\n| `--keep_last N` | all |\n"
+                    "| `--keep_newest N` | all |\n\n"
+                    "```bash\ntorchrun --nproc_per_node 2 torchrun_main.py --batch_size 4"
+                    "  # --not_a_flag_anywhere\n```\n"
                     "Prose --outside_code is not checked.\n")
     errors = unknown_flag_errors(page)
     assert len(errors) == 2

@@ -534,8 +534,8 @@ def test_malformed_checkpoint_config_is_one_line_exit_2_everywhere(problem, refe
 
 
 def test_every_input_is_validated_before_any_work(reference, tmp_path, monkeypatch, capsys):
-    from utils import finetune, variance_analysis
     import layer_remove
+    from utils import finetune, variance_analysis
 
     model = str(reference / f"model_{STEPS}")
     empty = tmp_path / "empty.jsonl"

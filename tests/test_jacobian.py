@@ -10,10 +10,17 @@ import pytest
 import torch
 from torch import nn
 
-from tests.analysis_helpers import (heldout_documents, repo_tokenizer, run_cli, save_with_tokenizer, tiny_hf_llama,
-                                    tiny_ours, with_blocks, write_jsonl)
-from utils import model_io
-from utils import jacobian_analysis
+from tests.analysis_helpers import (
+    heldout_documents,
+    repo_tokenizer,
+    run_cli,
+    save_with_tokenizer,
+    tiny_hf_llama,
+    tiny_ours,
+    with_blocks,
+    write_jsonl,
+)
+from utils import jacobian_analysis, model_io
 from utils.jacobian_analysis import TokenSample, jacobian_summary, main, measure_jacobians, sample_tokens
 
 WINDOW = torch.randint(3, 8192, (24,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -6,11 +6,25 @@ import math
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM)
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from layer_remove import layer_removed, main, remove_layer
-from tests.analysis_helpers import heldout_documents, run_cli, save_with_tokenizer, tiny_hf_llama, tiny_ours, write_jsonl
+from tests.analysis_helpers import (
+    heldout_documents,
+    run_cli,
+    save_with_tokenizer,
+    tiny_hf_llama,
+    tiny_ours,
+    write_jsonl,
+)
 from utils import model_io
 
 INPUT_IDS = torch.randint(3, 8192, (2, 9), generator=torch.Generator().manual_seed(0))

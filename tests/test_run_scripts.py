@@ -88,7 +88,8 @@ def test_gpu_check_report_reads_the_trainers_rows_and_judges_the_targets(tmp_pat
     stages = {"env": {"ok": True, "device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0"},
               "recipe_1b_pre": dict(ok=True, **rates),
               "recipe_130m_pre": {"ok": False, "timed_updates": 0},
-              "eager_1b": {"ok": True, "rows": [{"config": "llama_1b.json", "compiled": False, "tokens_per_s": 50_000}]},
+              "eager_1b": {"ok": True, "rows": [{"config": "llama_1b.json", "compiled": False,
+                                                 "tokens_per_s": 50_000}]},
               "bare_steps": {"ok": True, "rows": [{"config": "llama_1b.json", "compiled": True,
                                                    "tokens_per_s": rates["positions_per_s"] * 1.02}]}}
     gpu_check.write_report(tmp_path, stages, "bash utils/gpu_check.sh out")

@@ -389,7 +389,8 @@ def test_wandb_without_api_key_runs_offline_without_prompting(tmp_path):
 
 def test_paper_script_passes_norm_post_num_and_extra_flags(tmp_path):
     """bash run_130m.sh LNS 3 <overrides>: torchrun, one process, pure bf16 weights as in the paper."""
-    env = dict(os.environ, **ONE_THREAD, NPROC="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env = dict(os.environ, **ONE_THREAD, NPROC="1",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     run_dir = tmp_path / "script"
     proc = subprocess.run(
         ["bash", "run_130m.sh", "LNS", "3", *TINY, "--dtype", "bfloat16", "--batch_size", "2",

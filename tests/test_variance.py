@@ -6,8 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from tests.analysis_helpers import (heldout_documents, run_cli, save_with_tokenizer, tiny_hf_llama, tiny_ours,
-                                    with_blocks, write_jsonl)
+from tests.analysis_helpers import (
+    heldout_documents,
+    run_cli,
+    save_with_tokenizer,
+    tiny_hf_llama,
+    tiny_ours,
+    with_blocks,
+    write_jsonl,
+)
 from utils import model_io
 from utils.variance_analysis import residual_statistics
 
@@ -37,8 +44,9 @@ def test_batched_statistics_match_a_direct_computation():
     states = model_io.ResidualStream(model)(INPUT_IDS, ATTENTION_MASK)  # all real tokens at once
     for depth, state in enumerate(states):
         values = state.double()
-        assert statistics["variance"][depth] == pytest.approx(values.var(unbiased=False).item(), rel=1e-5)  # batches of other shapes: float32 forward noise
-        assert statistics["rms"][depth] == pytest.approx(values.square().mean().sqrt().item(), rel=1e-5)  # batches of other shapes: float32 forward noise
+        # rel 1e-5: batches of other shapes differ by float32 forward noise
+        assert statistics["variance"][depth] == pytest.approx(values.var(unbiased=False).item(), rel=1e-5)
+        assert statistics["rms"][depth] == pytest.approx(values.square().mean().sqrt().item(), rel=1e-5)
 
 
 def test_cli_puts_every_model_in_one_table_and_figure(tmp_path):

@@ -7,9 +7,9 @@ Loader: the embedded corpus, padding and packing, `--loader_batches` micro-batch
     python utils/benchmark_dataloader.py            # defaults: llama_130m, max_length 256, batch 64
 
 Streaming reader (`--streaming`): on a local fixture of `--shards` jsonl.gz shards made in a temporary folder,
-documents read from the files per document used over one epoch (read amplification) for several `--workers`, and the time from
-`load_state_dict` at a late position (`--resume_at` of the epoch) to the first batch. `--compare_with OLD.py` runs
-the same measurements with another version of peft_pretraining/dataloader.py, interleaved with this one:
+documents read from the files per document used over one epoch (read amplification) for several `--workers`, and the
+time from `load_state_dict` at a late position (`--resume_at` of the epoch) to the first batch. `--compare_with OLD.py`
+runs the same measurements with another version of peft_pretraining/dataloader.py, interleaved with this one:
 
     git show <commit>:peft_pretraining/dataloader.py > /tmp/dataloader_old.py
     python utils/benchmark_dataloader.py --streaming --compare_with /tmp/dataloader_old.py
@@ -96,8 +96,9 @@ def write_fixture(folder: pathlib.Path, shards: int, documents_per_shard: int) -
         with gzip.open(path, "wt", encoding="utf-8") as f:
             for i in range(documents_per_shard):
                 words = " ".join(f"w{shard}_{i}_{j}" for j in range(40 + (i * 37) % 120))
-                f.write(json.dumps({"text": f"Document {i} of shard {shard}. {words}",
-                                    "timestamp": "2019-04-25T12:00:00Z", "url": f"https://example.com/{shard}/{i}"}) + "\n")
+                row = {"text": f"Document {i} of shard {shard}. {words}", "timestamp": "2019-04-25T12:00:00Z",
+                       "url": f"https://example.com/{shard}/{i}"}
+                f.write(json.dumps(row) + "\n")
         files.append(str(path))
     return files
 

@@ -58,8 +58,7 @@ from peft_pretraining.training_utils import (  # noqa: E402
     plot_loss_curve,
     seed_everything,
 )
-from utils.model_io import (bad_input, hub_is_reachable, load_model_and_tokenizer, resolve_context_length,  # noqa: E402
-                            resolve_device)
+from utils.model_io import bad_input, hub_is_reachable, load_model_and_tokenizer, resolve_context_length, resolve_device  # noqa: E402
 
 # The paper's SFT evaluation (lm-eval task names); "siqa" is lm-eval's social_iqa.
 PAPER_TASKS = ("boolq", "piqa", "social_iqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
@@ -214,7 +213,8 @@ def prepare_model(args, parser, device):
 def add_lora(model, args, parser):
     from peft import LoraConfig, get_peft_model
 
-    leaf_names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    leaf_names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                  if isinstance(module, torch.nn.Linear)}
     unknown = [name for name in args.lora_target_modules if name not in leaf_names]
     if unknown:
         parser.error(f"--lora_target_modules: {', '.join(unknown)} not in the model (linear layers: "

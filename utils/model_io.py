@@ -60,7 +60,8 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 
 def resolve_run_settings(parser, args) -> tuple[torch.device, torch.dtype, tuple[str, Path | None]]:
-    """--device, --dtype and the text source (--dataset / --text_file) of a tool, or a one-line error naming the flag."""
+    """--device, --dtype and the text source (--dataset / --text_file) of a tool, or a one-line error naming the
+    flag."""
     try:
         device = resolve_device(args.device)
         return device, resolve_dtype(args.dtype, device), resolve_text_source(args.dataset, args.text_file)
@@ -293,7 +294,8 @@ class ResidualStream:
         self.backbone = model.get_decoder() if hasattr(model, "get_decoder") else model
         self.layers = decoder_layers(model)
         # HF backbones would build a KV cache by default; ours has no use_cache argument.
-        self.backbone_kwargs = {"use_cache": False} if "use_cache" in inspect.signature(self.backbone.forward).parameters else {}
+        takes_use_cache = "use_cache" in inspect.signature(self.backbone.forward).parameters
+        self.backbone_kwargs = {"use_cache": False} if takes_use_cache else {}
 
     @property
     def num_layers(self) -> int:

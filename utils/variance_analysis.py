@@ -73,7 +73,8 @@ def save_results(results: list[dict], output_dir: Path, metadata: dict) -> list[
             for depth, (variance, rms) in enumerate(zip(result["variance"], result["rms"])):
                 writer.writerow([result["label"], result["model_path"], depth, f"{variance:.8g}", f"{rms:.8g}"])
     json_path = output_dir / "residual_variance.json"
-    serialisable = [dict(result, variance=result["variance"].tolist(), rms=result["rms"].tolist()) for result in results]
+    serialisable = [dict(result, variance=result["variance"].tolist(), rms=result["rms"].tolist())
+                    for result in results]
     json_path.write_text(json.dumps(dict(metadata, models=serialisable), indent=1))
     return [csv_path, json_path, plot_results(results, output_dir / "residual_variance.png", metadata.get("text", ""))]
 
