@@ -1,10 +1,12 @@
 """A LLaMA decoder whose norm placement is chosen by name.
 
 The only thing that differs between Pre-LN, Post-LN, Mix-LN, LayerNorm Scaling (LNS), DeepNorm, LayerScale, SkipInit,
-Peri-LN, output-norm (OLMo 2), DyT and CompleteP is how each sublayer (attention, MLP) is wrapped with its norm and
-residual, and which norm that is. Each wrapping is a small module below; a decoder layer holds two of them and never
-branches on the variant. Parameter names are those of `transformers.LlamaForCausalLM` plus, where a variant needs
-more (Peri-LN's output norms, gates, DyT's alpha and bias), names under the placement module, so weights move freely.
+Peri-LN, output-norm (OLMo 2), DyT, CompleteP, GPAS, BHyT and HybridNorm is how each sublayer (attention, MLP) is
+wrapped with its norm and residual, and which norm that is (HybridNorm also normalises q, k and v inside attention).
+Each wrapping is a small module below; a decoder layer holds two of them and never branches on the variant.
+Parameter names are those of `transformers.LlamaForCausalLM` plus, where a variant needs more (Peri-LN's output
+norms, gates, DyT's alpha and bias, BHyT's lam, HybridNorm's q_norm/k_norm as in Qwen3 and v_norm), names under the
+placement module, the norm or the attention, so weights move freely.
 
 The model is built from a `NormPlacementConfig` (a `transformers.LlamaConfig` under its own model_type, below) with
 extra attributes (all optional, defaults in brackets):
@@ -17,6 +19,11 @@ extra attributes (all optional, defaults in brackets):
     deepnorm_init     deepnet (std 0.02 * (8L)^-1/4) | reference (the authors' Xavier init) [deepnet]
     embed_init_std    std of the embedding init [initializer_range]
     dyt_alpha_init    DyT's alpha0 as [attention norms, MLP and final norms] [0.8, 0.2]
+    bhyt_lambda_init  BHyT's lambda0 as [attention norm, MLP norm] [2.0, 1.0] (the authors' pretraining setting)
+    bhyt_kappa        BHyT's kappa: the tanh input has RMS lambda/kappa [10.0]
+    train_max_length  written by the trainer; BHyT's T in c = ||W_V^T W_O^T||_F^2 / (T d) [max_position_embeddings]
+GPAS's gate starts at 0 and HybridNorm's q/k/v norms are RMSNorms over each head (gain 1, eps rms_norm_eps): neither
+has a setting. Sources and every departure from the authors' code: docs/differences.md.
 Optional per-layer attributes (`layer_norm_types`, `layer_depths`, `deepnorm_num_layers`) pin each layer's
 placement, LNS depth and the L of DeepNorm/CompleteP explicitly; `freeze_layer_plan` writes them, so that a layer
 keeps what it was trained with after another layer is removed.
@@ -35,7 +42,7 @@ from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutput
 
 NORM_TYPES = ("pre", "post", "post_pre", "lns", "deepnorm", "layerscale", "skipinit", "peri", "peri_lns", "reordered",
-              "dyt", "completep")
+              "dyt", "completep", "gpas", "lns_gpas", "bhyt", "hybridnorm")
 NORM_TYPE_ALIASES = {"cod": "lns"}  # "cod" is LNS's name in the paper's uploaded code (commit 5d4dd11)
 NORM_TYPE_CHOICES = NORM_TYPES + tuple(NORM_TYPE_ALIASES)
 LAYER_PLACEMENTS = tuple(name for name in NORM_TYPES if name != "post_pre")
@@ -49,6 +56,10 @@ DEFAULT_COMPLETEP_ALPHA = 1.0
 # DyT's alpha0 for LLaMA (Zhu et al. 2025): larger before attention than before the MLP and at the final norm;
 # 0.8 / 0.2 is the paper's setting for its smallest LLaMA (7B).
 DEFAULT_DYT_ALPHA_INIT = (0.8, 0.2)
+# BHyT (Byun et al. 2026), from the authors' pretraining script and config: lambda0 2.0 before attention, 1.0 before
+# the MLP (learnable), kappa 10, a plain RMSNorm at the end (their last_layer_lam 0).
+DEFAULT_BHYT_LAMBDA_INIT = (2.0, 1.0)
+DEFAULT_BHYT_KAPPA = 10.0
 
 
 class NormPlacementConfig(LlamaConfig):
@@ -109,6 +120,9 @@ class LayerPlan:
     deepnorm_init: str
     embed_init_std: float
     dyt_alpha_init: tuple[float, float]
+    bhyt_lambda_init: tuple[float, float]
+    bhyt_kappa: float
+    bhyt_seq_len: int  # BHyT's T: the trained context length
 
 
 # LlamaConfig features this model does not implement, with the values it does: anything else is an error, not
@@ -159,6 +173,9 @@ def layer_plan(config) -> LayerPlan:
     dyt_alpha_init = tuple(getattr(config, "dyt_alpha_init", None) or DEFAULT_DYT_ALPHA_INIT)
     if len(dyt_alpha_init) != 2 or not all(isinstance(a, (int, float)) and a > 0 for a in dyt_alpha_init):
         raise ValueError(f"dyt_alpha_init={dyt_alpha_init!r} must be two positive numbers (attention, other)")
+    bhyt_lambda_init = tuple(getattr(config, "bhyt_lambda_init", None) or DEFAULT_BHYT_LAMBDA_INIT)
+    if len(bhyt_lambda_init) != 2 or not all(isinstance(a, (int, float)) and a > 0 for a in bhyt_lambda_init):
+        raise ValueError(f"bhyt_lambda_init={bhyt_lambda_init!r} must be two positive numbers (attention, MLP)")
     return LayerPlan(
         placements, depths, deepnorm_num_layers, init_method,
         final_norm="dyt" if norm_type == "dyt" else "rms",
@@ -169,6 +186,9 @@ def layer_plan(config) -> LayerPlan:
                               "deepnorm_init"),
         embed_init_std=_number(config, "embed_init_std", config.initializer_range, minimum=0.0),
         dyt_alpha_init=(float(dyt_alpha_init[0]), float(dyt_alpha_init[1])),
+        bhyt_lambda_init=(float(bhyt_lambda_init[0]), float(bhyt_lambda_init[1])),
+        bhyt_kappa=_number(config, "bhyt_kappa", DEFAULT_BHYT_KAPPA, minimum=1e-6),
+        bhyt_seq_len=int(getattr(config, "train_max_length", None) or config.max_position_embeddings),
     )
 
 
@@ -291,7 +311,10 @@ def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 
 
 class Attention(nn.Module):
-    def __init__(self, config, layer_idx: int):
+    """Causal multi-head (or grouped-query) attention with RoPE. With `qkv_norm` (HybridNorm) each head's q, k and v
+    pass through an RMSNorm over head_dim before RoPE (q_norm and k_norm as in Qwen3 and OLMo, v_norm added)."""
+
+    def __init__(self, config, layer_idx: int, qkv_norm: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
@@ -301,12 +324,17 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.qkv_norm = qkv_norm
+        if qkv_norm:
+            self.q_norm, self.k_norm, self.v_norm = (RMSNorm(self.head_dim, config.rms_norm_eps) for _ in range(3))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None):
         batch, seq_len, _ = x.shape
         q = self.q_proj(x).view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qkv_norm:
+            q, k, v = self.q_norm(q), self.k_norm(k), self.v_norm(v)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if uses_plain_attention(q, seq_len):
@@ -463,6 +491,93 @@ class DyT(nn.Module):
         return self.weight * torch.tanh(self.alpha * x) + self.bias
 
 
+class GradientPreservingScale(nn.Module):
+    """GPAS (Chen et al. 2025) around another placement: y = inner(x, F, N), then y - silu(g) * stopgrad(y).
+
+    The forward value is (1 - silu(g)) * y, so the residual stream shrinks, but d out / d y is the identity: the
+    gradient reaching the layers below is not shrunk (g itself gets -silu'(g) * y). As in the authors' code, one gate
+    per decoder layer serves both sublayers, and it starts at 0, where silu(0) = 0 leaves the inner placement as is.
+    The attention-side module owns `gate`; the MLP-side one reads it from there at every call (the owner is kept in a
+    tuple, outside the module tree, so the parameter is saved once and FSDP's unsharded copy is the one read).
+    """
+
+    def __init__(self, inner: nn.Module, gate_owner: "GradientPreservingScale | None" = None):
+        super().__init__()
+        self.inner = inner
+        if gate_owner is None:
+            self.gate = nn.Parameter(torch.zeros(1))
+        self._gate_owner = (self if gate_owner is None else gate_owner,)
+
+    def forward(self, x, sublayer, norm):
+        y = self.inner(x, sublayer, norm)
+        return y - F.silu(self._gate_owner[0].gate) * y.detach()
+
+
+class NormedStreamResidual(nn.Module):
+    """HybridNorm's MLP sublayer: y = N(x), y + F(y). The norm sits on the residual stream itself, as in Post-LN, but
+    before the branch is added (the authors' OLMo config: ffn_norm with ffn_residual_after_norm)."""
+
+    def forward(self, x, sublayer, norm):
+        y = norm(x)
+        return y + sublayer(y)
+
+
+# The authors' code adds 1e-6 to BHyT's variance whatever rms_norm_eps says.
+BHYT_EPS = 1e-6
+
+
+class BHyT(nn.Module):
+    """Bounded hyperbolic tangent (Byun et al. 2026), a block norm: weight * tanh(lam * x / (kappa * sqrt(var + eps))).
+
+    This one, before attention, uses the exact var = mean(x^2) over channels, so the tanh input has RMS lam / kappa
+    (0.2 by default) whatever the scale of x: it stays in tanh's non-saturating range however the stream grows.
+    It keeps var for the layer's BHyTApproximated, which does not recompute it. lam is learnable, one scalar per norm.
+    """
+
+    def __init__(self, hidden_size: int, lam_init: float, kappa: float):
+        super().__init__()
+        self.lam_init, self.kappa = lam_init, kappa
+        self.lam = nn.Parameter(torch.full((1,), float(lam_init)))
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.layer_input_variance = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        self.layer_input_variance = variance
+        return self.bounded_tanh(x, variance)
+
+    def bounded_tanh(self, x: torch.Tensor, variance: torch.Tensor) -> torch.Tensor:
+        inverse_scale = torch.rsqrt(variance + BHYT_EPS) / self.kappa  # statistics in fp32, as in the authors' code
+        return self.weight * torch.tanh(self.lam * (x * inverse_scale.to(x.dtype)))
+
+
+class BHyTApproximated(BHyT):
+    """BHyT before the MLP. The variance of h = x + Attn(BHyT(x)) is not computed but approximated from the layer
+    input's: var(h) ~ var(x) + c * (lam_attn / kappa)^2, c = ||W_V^T W_O^T||_F^2 / (T d) (T the trained context
+    length, d the width; lam_attn without gradient; c from the current weights, without gradient)."""
+
+    def __init__(self, hidden_size: int, lam_init: float, kappa: float, input_norm: BHyT, attention: nn.Module,
+                 seq_len: int):
+        super().__init__(hidden_size, lam_init, kappa)
+        self.seq_len = seq_len
+        self._layer = (input_norm, attention)  # read at each call, outside the module tree (saved once)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        input_norm, attention = self._layer
+        input_variance, input_norm.layer_input_variance = input_norm.layer_input_variance, None
+        c = self.value_output_norm(attention) / (self.seq_len * h.shape[-1])
+        variance = input_variance + c * (input_norm.lam.detach().float() / self.kappa) ** 2
+        return self.bounded_tanh(h, variance)
+
+    @staticmethod
+    def value_output_norm(attention) -> torch.Tensor:
+        """||W_V^T W_O^T||_F^2 in fp32, each key/value head repeated for the query heads it serves."""
+        with torch.autocast(attention.o_proj.weight.device.type, enabled=False):
+            w_v = attention.v_proj.weight.detach().float().view(attention.num_kv_heads, attention.head_dim, -1)
+            w_v = w_v.repeat_interleave(attention.num_heads // attention.num_kv_heads, dim=0).flatten(0, 1)
+            return (attention.o_proj.weight.detach().float() @ w_v).pow(2).sum()
+
+
 def make_norm(kind: str, config, alpha_init: float) -> nn.Module:
     """A block or final norm: RMSNorm, or DyT (then alpha_init is its alpha0)."""
     if kind == "dyt":
@@ -470,7 +585,25 @@ def make_norm(kind: str, config, alpha_init: float) -> nn.Module:
     return RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-def make_residual(placement: str, config, depth: int, plan: LayerPlan) -> nn.Module:
+def make_block_norms(placement: str, config, plan: LayerPlan, attention: Attention) -> tuple[nn.Module, nn.Module]:
+    """(input_layernorm, post_attention_layernorm) of one layer."""
+    if placement == "dyt":
+        attn_alpha, other_alpha = plan.dyt_alpha_init
+        return DyT(config.hidden_size, attn_alpha), DyT(config.hidden_size, other_alpha)
+    if placement == "bhyt":
+        (attn_lambda, mlp_lambda), kappa = plan.bhyt_lambda_init, plan.bhyt_kappa
+        before_attention = BHyT(config.hidden_size, attn_lambda, kappa)
+        before_mlp = BHyTApproximated(config.hidden_size, mlp_lambda, kappa, before_attention, attention,
+                                      plan.bhyt_seq_len)
+        return before_attention, before_mlp
+    if placement == "hybridnorm":  # no norm before attention: the q, k, v norms inside it take its place
+        return nn.Identity(), RMSNorm(config.hidden_size, config.rms_norm_eps)
+    return RMSNorm(config.hidden_size, config.rms_norm_eps), RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+def make_residual(placement: str, config, depth: int, plan: LayerPlan, attention_side: nn.Module | None = None):
+    """The placement module of one sublayer: the attention's when attention_side is None, else the MLP's, given the
+    attention's (GPAS shares its gate; HybridNorm treats the two sublayers differently)."""
     layerscale_size = config.hidden_size if plan.layerscale_form == "channel" else 1
     builders = {
         "pre": lambda: PreNorm(),
@@ -484,6 +617,10 @@ def make_residual(placement: str, config, depth: int, plan: LayerPlan) -> nn.Mod
         "peri": lambda: PeriNorm(make_norm("rms", config, 0.0)),
         "peri_lns": lambda: PeriNorm(make_norm("rms", config, 0.0), 1.0 / math.sqrt(depth)),
         "reordered": lambda: OutputNorm(),
+        "gpas": lambda: GradientPreservingScale(PreNorm(), attention_side),
+        "lns_gpas": lambda: GradientPreservingScale(ScaledPreNorm(depth), attention_side),
+        "bhyt": lambda: PreNorm(),  # BHyT changes the norms, not the placement
+        "hybridnorm": lambda: PreNorm() if attention_side is None else NormedStreamResidual(),
     }
     return builders[placement]()
 
@@ -493,14 +630,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         placement, depth = plan.placements[layer_idx], plan.depths[layer_idx]
         self.placement = placement
-        self.self_attn = Attention(config, layer_idx)
+        self.self_attn = Attention(config, layer_idx, qkv_norm=placement == "hybridnorm")
         self.mlp = MLP(config)
-        norm_kind = "dyt" if placement == "dyt" else "rms"
-        attn_alpha, other_alpha = plan.dyt_alpha_init
-        self.input_layernorm = make_norm(norm_kind, config, attn_alpha)
-        self.post_attention_layernorm = make_norm(norm_kind, config, other_alpha)
+        self.input_layernorm, self.post_attention_layernorm = make_block_norms(placement, config, plan, self.self_attn)
         self.attn_residual = make_residual(placement, config, depth, plan)
-        self.mlp_residual = make_residual(placement, config, depth, plan)
+        self.mlp_residual = make_residual(placement, config, depth, plan, attention_side=self.attn_residual)
         self._tag_init_std_factors(config, plan, depth)
 
     def _tag_init_std_factors(self, config, plan: LayerPlan, depth: int):
@@ -534,6 +668,10 @@ class DecoderLayer(nn.Module):
     #   peri_lns    h = x + O1(Attn(N1(x) / sqrt(l)))       out = h + O2(MLP(N2(h) / sqrt(l)))
     #   reordered   h = x + N1(Attn(x))                     out = h + N2(MLP(h))
     #   dyt         as pre, with every norm (the final one too) DyT(x) = w * tanh(alpha * x) + b
+    #   gpas        h = G(x + Attn(N1(x)))                  out = G(h + MLP(N2(h)))   G(y) = y - silu(g) * sg(y), one g
+    #   lns_gpas    h = G(x + Attn(N1(x) / sqrt(l)))        out = G(h + MLP(N2(h) / sqrt(l)))
+    #   bhyt        as pre, N(y) = w * tanh(lam * y / (kappa * s)); s = rms(x) in N1, in N2 rms(x) with Attn's share
+    #   hybridnorm  h = x + Attn_qkvnorm(x)                 out = N2(h) + MLP(N2(h))
     def forward(self, x: torch.Tensor, rope, mask: torch.Tensor | None) -> torch.Tensor:
         h = self.attn_residual(x, lambda y: self.self_attn(y, rope, mask), self.input_layernorm)
         return self.mlp_residual(h, self.mlp, self.post_attention_layernorm)
@@ -579,6 +717,11 @@ class LlamaPreTrainedModel(PreTrainedModel):
             init.zeros_(module.bias)
         elif isinstance(module, GatedPreNorm):
             init.constant_(module.gain, module.init_value)
+        elif isinstance(module, BHyT):
+            init.constant_(module.lam, module.lam_init)
+            init.ones_(module.weight)
+        elif isinstance(module, GradientPreservingScale) and "gate" in module._parameters:
+            init.zeros_(module.gate)
         elif isinstance(module, RotaryEmbedding):
             module.reset_tables()
 
@@ -694,7 +837,7 @@ LlamaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 EXPORTABLE_PLACEMENTS = ("pre", "lns", "layerscale", "skipinit", "completep")
 _OUR_CONFIG_KEYS = ("norm_type", "post_num", "init_method", "layer_norm_types", "layer_depths", "deepnorm_num_layers",
                     "auto_map", "layerscale_form", "layerscale_init", "completep_alpha", "deepnorm_init",
-                    "embed_init_std", "dyt_alpha_init")
+                    "embed_init_std", "dyt_alpha_init", "bhyt_lambda_init", "bhyt_kappa")
 
 
 def _stock_llama_factors(residual: nn.Module) -> tuple[float, torch.Tensor | float]:
@@ -715,8 +858,8 @@ def export_to_hf_llama(model: LlamaForCausalLM):
 
     LNS's 1/sqrt(l) multiplies the norm output after its gain, so it folds exactly into the two gains of layer l;
     LayerScale/SkipInit gates and CompleteP's L^-alpha multiply the branch output, so they fold into the rows of
-    o_proj and down_proj. The other placements (post, deepnorm, peri, peri_lns, reordered, dyt) have no stock-Llama
-    form: they load with trust_remote_code=True.
+    o_proj and down_proj. The other placements (post, deepnorm, peri, peri_lns, reordered, dyt, gpas, lns_gpas, bhyt,
+    hybridnorm) have no stock-Llama form: they load with trust_remote_code=True.
     """
     from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
