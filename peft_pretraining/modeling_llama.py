@@ -155,7 +155,8 @@ def layer_plan(config) -> LayerPlan:
         if norm_type == "post_pre":
             post_num = getattr(config, "post_num", None)
             if not isinstance(post_num, int) or isinstance(post_num, bool) or not 0 <= post_num <= num_layers:
-                raise ValueError(f"post_num={post_num!r} is out of range for post_pre; valid: an int in [0, {num_layers}]")
+                raise ValueError(f"post_num={post_num!r} is out of range for post_pre; valid: an int in "
+                                 f"[0, {num_layers}]")
             placements = ["post"] * post_num + ["pre"] * (num_layers - post_num)
         else:
             placements = [norm_type] * num_layers
