@@ -69,6 +69,7 @@ def test_quick_trainer_benchmark_runs_the_real_trainer(tmp_path):
     assert all(row["tokens_per_s_median"] > 0 for row in rows)
 
 
+@pytest.mark.slow
 def test_quick_layout_benchmark_runs_both_layouts(tmp_path):
     benchmark_model.main(["--quick", "--sections", "layout", "--layout_cores", "2", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "benchmark.json").read_text())
@@ -159,6 +160,7 @@ def test_quick_profile_lists_the_costliest_ops_of_each_variant(tmp_path):
     assert (tmp_path / "profile.csv").read_text().startswith("config,")
 
 
+@pytest.mark.slow
 def test_compiled_profile_names_inductors_kernels(tmp_path):
     benchmark_model.main(["--sections", "profile", "--shapes", "configs/llama_tiny.json:2:32", "--dtypes", "mixed",
                           "--modes", "compiled", "--steps", "1", "--profile_top", "40", "--out", str(tmp_path)])

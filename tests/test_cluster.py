@@ -16,13 +16,14 @@ from safetensors.torch import load_file
 import torchrun_main
 from peft_pretraining import training_utils
 from peft_pretraining.modeling_llama import LlamaForCausalLM
+from tests.conftest import ONE_THREAD, TINY_RUN
 from utils import gpu_processes
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 60
-RUN = ["--model_config", "configs/llama_tiny.json", "--max_length", "32", "--batch_size", "4", "--warmup_steps", "2",
-       "--num_training_steps", str(STEPS), "--eval_every", "1000", "--save_every", "1000", "--eval_tokens", "500"]
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+SCHEDULE = ["--warmup_steps", "2", "--num_training_steps", str(STEPS), "--eval_every", "1000", "--save_every", "1000",
+            "--eval_tokens", "500"]
+RUN = ["--model_config", "configs/llama_tiny.json", "--max_length", "32", "--batch_size", "4", *SCHEDULE]  # run_tiny.sh
 
 
 def read_rows(run_dir: Path) -> list[dict]:
@@ -55,6 +56,7 @@ def wait_for_rows(run_dir: Path, proc: subprocess.Popen, count: int):
 
 
 @pytest.mark.parametrize("nproc, stop_signal", [(1, signal.SIGTERM), (2, signal.SIGUSR1)])
+@pytest.mark.slow
 def test_a_stop_signal_saves_and_the_same_command_resumes_exactly(nproc, stop_signal, tmp_path):
     """The signal goes to the job's script (as `kill` or SLURM's --signal=B:USR1 sends it); with two ranks it
     reaches them through torchrun. Every rank finishes its update, the run saves, says so in results.json and
@@ -89,8 +91,7 @@ def test_a_stop_signal_saves_and_the_same_command_resumes_exactly(nproc, stop_si
     assert code == 0 and "already finished" in err, err[-3000:]
 
 
-IN_PROCESS = [*RUN, "--dataset", "embedded", "--workers", "0", "--dtype", "float32", "--device", "cpu",
-              "--save_every", "2"]
+IN_PROCESS = [*TINY_RUN, *SCHEDULE, "--save_every", "2"]
 
 
 def test_out_of_memory_is_one_line_naming_the_fix_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, capsys):

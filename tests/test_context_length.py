@@ -6,9 +6,6 @@ then never feed it more than 32 positions, on texts long enough that they would 
 pre-hook on every embedding layer records the sequence length of each forward.
 """
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +14,7 @@ import torch
 import layer_remove
 from peft_pretraining.modeling_llama import export_to_hf_llama
 from tests.analysis_helpers import heldout_documents, save_with_tokenizer, tiny_hf_llama, tiny_ours, write_jsonl
+from tests.conftest import TINY_RUN, run_trainer
 from utils import angular_analysis, finetune, model_io, variance_analysis
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,13 +25,9 @@ TRAINED_LENGTH = 32
 def trained_checkpoint(tmp_path_factory) -> Path:
     """Two updates of the tiny model at --max_length 32, saved the way every run saves."""
     run_dir = tmp_path_factory.mktemp("context") / "run"
-    flags = ["--model_config", "configs/llama_tiny.json", "--dataset", "embedded", "--max_length", str(TRAINED_LENGTH),
-             "--batch_size", "2", "--workers", "0", "--eval_tokens", "64", "--dtype", "float32", "--device", "cpu",
-             "--lr", "1e-3", "--warmup_steps", "1", "--num_training_steps", "2", "--eval_every", "2",
-             "--save_every", "2", "--save_dir", str(run_dir)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    proc = subprocess.run([sys.executable, "torchrun_main.py", *flags], cwd=REPO, capture_output=True, text=True,
-                          env=env, timeout=240, stdin=subprocess.DEVNULL)
+    proc = run_trainer([*TINY_RUN, "--max_length", TRAINED_LENGTH, "--batch_size", "2", "--eval_tokens", "64",
+                        "--lr", "1e-3", "--warmup_steps", "1", "--num_training_steps", "2", "--eval_every", "2",
+                        "--save_every", "2", "--save_dir", run_dir])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir / "model_2"
 

@@ -7,14 +7,14 @@ LOSS_RTOL (measured differences are ~1e-5 relative). With padding the rows hold 
 last test checks that an update still weighs every target token the same, however its rows are split.
 """
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from tests.conftest import run_trainer
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 4
@@ -26,10 +26,7 @@ LOSS_RTOL = 1e-3
 
 
 def launch(launcher, args, timeout=300):
-    # One intra-op thread per rank: 2 ranks on 2 cores, and a fixed float reduction order for the exact resume check.
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    proc = subprocess.run([*launcher, "torchrun_main.py", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL, env=env)
+    proc = run_trainer(args, timeout=timeout, launcher=launcher)  # one thread per rank: 2 ranks on 2 cores
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 

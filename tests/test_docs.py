@@ -342,6 +342,7 @@ OUTSIDE_FLAGS = {
     "--model", "--model_args", "--include_path", "--tasks", "--limit",  # lm_eval
     "--durations",  # pytest
     "--gres", "--time", "--requeue", "--signal",  # SLURM's sbatch
+    "--no-deps",  # pip
     "--beta1", "--use_hf_model", "--name",  # the reference code
 }
 FLAG_NAME = re.compile(r"(?<![\w-])(--[A-Za-z][\w-]*)")

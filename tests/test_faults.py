@@ -24,13 +24,12 @@ from safetensors.torch import load_file
 
 import torchrun_main
 from peft_pretraining import checkpointing, run_folder, training_utils
+from tests.conftest import ONE_THREAD, TINY_RUN
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 6
-RUN = ["--model_config", "configs/llama_tiny.json", "--dataset", "embedded", "--max_length", "32", "--batch_size", "4",
-       "--workers", "0", "--eval_tokens", "200", "--dtype", "float32", "--device", "cpu", "--lr", "3e-3",
-       "--warmup_steps", "1", "--num_training_steps", str(STEPS), "--save_every", "2", "--eval_every", str(STEPS)]
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+RUN = [*TINY_RUN, "--eval_tokens", "200", "--lr", "3e-3", "--warmup_steps", "1", "--num_training_steps", str(STEPS),
+       "--save_every", "2", "--eval_every", str(STEPS)]
 
 # Loaded by every Python process started with this file's folder on PYTHONPATH: stops the save of step
 # FAULT_STEP at stage FAULT_STAGE (SIGKILL, or a pause that the test ends with SIGKILL), or makes rank 0's save fail

@@ -289,6 +289,7 @@ def test_frozen_plan_keeps_layer_factors_after_removal():
     assert [layer.attn_residual.scale for layer in pruned.model.layers] == pytest.approx([1.0, 3**-0.5, 4**-0.5])
 
 
+@pytest.mark.slow
 def test_export_cli(tmp_path):
     model = tiny_model("lns")
     model.save_pretrained(tmp_path / "ckpt")
@@ -430,6 +431,7 @@ def test_the_model_tells_transformers_that_its_attention_is_sdpa(tmp_path):
     assert loaded.config._attn_implementation == "sdpa"
 
 
+@pytest.mark.slow
 def test_export_copies_the_tokenizer_without_a_question_or_a_model_type_warning(tmp_path):
     from transformers import AutoTokenizer
 

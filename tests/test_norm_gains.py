@@ -1,8 +1,6 @@
 """Norm gains: logged per layer at every evaluation, and frozen at exactly 1.0 by pure-bf16 weights at a small lr."""
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,19 +9,16 @@ from safetensors.torch import load_file
 
 from peft_pretraining import training_utils
 from tests.analysis_helpers import tiny_ours
+from tests.conftest import TINY_RUN, run_trainer
 
 REPO = Path(__file__).resolve().parent.parent
 NUM_LAYERS = json.loads((REPO / "configs" / "llama_tiny.json").read_text())["num_hidden_layers"]
 
 
 def train(run_dir: Path, dtype: str, lr: str, steps: int, eval_every: int) -> subprocess.CompletedProcess:
-    flags = ["--model_config", "configs/llama_tiny.json", "--dataset", "embedded", "--max_length", "32",
-             "--batch_size", "4", "--workers", "0", "--eval_tokens", "200", "--device", "cpu", "--dtype", dtype,
-             "--optimizer", "adamw", "--lr", lr, "--warmup_steps", "1", "--num_training_steps", str(steps),
-             "--eval_every", str(eval_every), "--save_every", str(steps), "--save_dir", str(run_dir)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    proc = subprocess.run([sys.executable, "torchrun_main.py", *flags], cwd=REPO, capture_output=True, text=True,
-                          env=env, timeout=240, stdin=subprocess.DEVNULL)
+    proc = run_trainer([*TINY_RUN, "--eval_tokens", "200", "--dtype", dtype, "--optimizer", "adamw", "--lr", lr,
+                        "--warmup_steps", "1", "--num_training_steps", steps, "--eval_every", eval_every,
+                        "--save_every", steps, "--save_dir", run_dir])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

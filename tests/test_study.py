@@ -92,6 +92,7 @@ def test_a_run_that_diverged_at_an_analysed_step_keeps_its_record():
     assert not study_lib.record_matches(dict(record, status="finished"), spec, settings)
 
 
+@pytest.mark.slow
 def test_a_diverged_run_is_not_redone_by_the_next_invocation(tmp_path):
     """End to end: a run that diverges at its first analysed step is reused from its record, and --report_only
     finds it."""
@@ -314,6 +315,7 @@ def test_depth_sweep_bad_input_is_one_line(capsys):
     assert "--depths" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_depth_sweep_quick_end_to_end_then_reuses_every_record(tmp_path):
     """In float32 and eager, the quick path everywhere alike (CI's smoke run of compare_norms takes the defaults)."""
     out, runs = tmp_path / "report", tmp_path / "runs"
@@ -383,6 +385,7 @@ def test_overfit_point_finds_the_lowest_eval_and_whether_the_loss_rose_after_it(
     assert depth_sweep.train_loss_between_evals(probe) == [5.5, 3.0]
 
 
+@pytest.mark.slow
 def test_an_interrupted_run_resumes_from_its_last_checkpoint(tmp_path):
     args = depth_sweep.parse_args(["--quick", "--out", str(tmp_path / "report"), "--runs_dir", str(tmp_path / "runs")])
     spec, settings = depth_sweep.probe_spec(args), study_lib.analysis_settings(args.settings)

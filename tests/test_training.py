@@ -20,24 +20,14 @@ from peft_pretraining.checkpointing import prune_checkpoints
 from peft_pretraining.dataloader import build_train_stream, count_target_tokens, iter_eval_batches, load_tokenizer
 from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config
 from peft_pretraining.training_utils import EXIT_DIVERGED, build_scheduler, evaluate, lr_factor
+from tests.conftest import ONE_THREAD, TINY_RUN, run_trainer
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = ["--model_config", "configs/llama_tiny.json", "--dataset", "embedded", "--max_length", "32",
-        "--batch_size", "4", "--workers", "0", "--eval_tokens", "1000", "--dtype", "float32", "--device", "cpu"]
+TINY = [*TINY_RUN, "--eval_tokens", "1000"]
 STEPS = 6  # the shared run trains 2 * STEPS updates, evaluating and saving every STEPS
 SHARED_RUN = [*TINY, "--lr", "3e-3", "--warmup_steps", "2", "--num_training_steps", str(2 * STEPS),
               "--eval_every", str(STEPS), "--save_every", str(STEPS)]
 
-
-# One intra-op thread per process: CPU float reductions then have one fixed order whatever the machine's load
-# (bit-exact comparisons between processes), and a busy shared machine is not slowed by threads waiting on each other.
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-def run_main(args, env=None, timeout=240):
-    env = dict(env if env is not None else os.environ, **ONE_THREAD)
-    return subprocess.run([sys.executable, "torchrun_main.py", *args], cwd=REPO, capture_output=True, text=True,
-                          env=env, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
 def read_jsonl(path):
@@ -53,7 +43,7 @@ def tree_hashes(folder: Path) -> dict:
 @pytest.fixture(scope="module")
 def shared_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("train") / "run"
-    proc = run_main([*SHARED_RUN, "--save_dir", str(run_dir)])
+    proc = run_trainer([*SHARED_RUN, "--save_dir", str(run_dir)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, proc
 
@@ -66,7 +56,7 @@ def test_compile_flag_trains_like_eager(shared_run, tmp_path):
     eager_dir, _ = shared_run
     flags = [*TINY, "--lr", "3e-3", "--warmup_steps", "2", "--num_training_steps", "3", "--eval_every", "3",
              "--save_every", "3", "--compile", "--save_dir", str(tmp_path / "run")]
-    proc = run_main(flags, env=dict(os.environ, TORCH_LOGS="recompiles"), timeout=600)
+    proc = run_trainer(flags, env=dict(os.environ, TORCH_LOGS="recompiles"), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # One compilation serves every update: a recompile costs seconds per run (it once came from the RoPE cache).
     assert "Recompiling function" not in proc.stderr, proc.stderr[-3000:]
@@ -122,7 +112,7 @@ def test_checkpoint_is_a_loadable_hf_model(shared_run):
 def test_resume_is_bit_exact(shared_run, tmp_path):
     run_dir, _ = shared_run
     resumed = tmp_path / "resumed"
-    proc = run_main([*SHARED_RUN, "--continue_from", str(run_dir / f"model_{STEPS}"), "--save_dir", str(resumed)])
+    proc = run_trainer([*SHARED_RUN, "--continue_from", str(run_dir / f"model_{STEPS}"), "--save_dir", str(resumed)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     full, second_half = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
     assert [r["step"] for r in second_half] == list(range(STEPS + 1, 2 * STEPS + 1))
@@ -158,7 +148,7 @@ def test_keep_last_prunes_only_older_complete_checkpoints(tmp_path):
 
 def test_keep_last_in_a_run(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_main([*TINY, "--num_training_steps", "3", "--warmup_steps", "0", "--save_every", "1",
+    proc = run_trainer([*TINY, "--num_training_steps", "3", "--warmup_steps", "0", "--save_every", "1",
                      "--eval_every", "100", "--eval_tokens", "200", "--keep_last", "2", "--save_dir", str(run_dir)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in run_dir.glob("model_*")) == ["model_2", "model_3"]
@@ -170,7 +160,7 @@ def test_keep_last_in_a_run(tmp_path):
 
 def test_post_ln_with_a_huge_lr_diverges_cleanly(tmp_path):
     run_dir = tmp_path / "post"
-    proc = run_main([*TINY, "--norm_type", "post", "--lr", "1e3", "--warmup_steps", "0", "--grad_clipping", "0",
+    proc = run_trainer([*TINY, "--norm_type", "post", "--lr", "1e3", "--warmup_steps", "0", "--grad_clipping", "0",
                      "--num_training_steps", "20", "--eval_every", "100", "--save_dir", str(run_dir)])
     assert proc.returncode == EXIT_DIVERGED, proc.stderr[-3000:]
     results = json.loads((run_dir / "results.json").read_text())
@@ -190,7 +180,7 @@ def test_a_diverging_resume_keeps_checkpoints_and_metrics(shared_run, tmp_path):
     checkpoints_before = {p.name: tree_hashes(p) for p in run_dir.glob("model_*")}
     old_rows = read_jsonl(run_dir / "metrics.jsonl")
     # The spike rule: any loss above 0.01 counts as divergence, so the first resumed update diverges.
-    proc = run_main([*SHARED_RUN, "--continue_from", str(run_dir / f"model_{STEPS}"), "--divergence_loss", "0.01"])
+    proc = run_trainer([*SHARED_RUN, "--continue_from", str(run_dir / f"model_{STEPS}"), "--divergence_loss", "0.01"])
     assert proc.returncode == EXIT_DIVERGED, proc.stderr[-3000:]
     # Resuming from step STEPS supersedes the later checkpoint: it moves, unchanged, into superseded/.
     kept = {p.name: tree_hashes(p) for p in [*run_dir.glob("model_*"), *run_dir.glob("superseded/model_*")]}
@@ -352,7 +342,7 @@ def test_corrupt_checkpoint_is_a_clear_error_and_creates_nothing(shared_run, tmp
     state = (broken / "training_state.pt").read_bytes()
     (broken / "training_state.pt").write_bytes(state[: len(state) // 2])
     out = tmp_path / "out"
-    proc = run_main([*SHARED_RUN, "--continue_from", str(broken), "--save_dir", str(out)])
+    proc = run_trainer([*SHARED_RUN, "--continue_from", str(broken), "--save_dir", str(out)])
     assert proc.returncode == 2
     error_lines = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(error_lines) == 1 and "--continue_from" in error_lines[0] and "corrupt" in error_lines[0]
@@ -361,7 +351,7 @@ def test_corrupt_checkpoint_is_a_clear_error_and_creates_nothing(shared_run, tmp
 
 def test_max_length_beyond_the_models_positions_is_a_one_line_error(tmp_path):
     out = tmp_path / "out"
-    proc = run_main([*TINY, "--max_length", "1025", "--save_dir", str(out)])
+    proc = run_trainer([*TINY, "--max_length", "1025", "--save_dir", str(out)])
     assert proc.returncode == 2
     error_lines = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(error_lines) == 1 and "--max_length 1025" in error_lines[0], proc.stderr[-2000:]
@@ -375,12 +365,12 @@ def test_wandb_without_api_key_runs_offline_without_prompting(tmp_path):
                WANDB_CACHE_DIR=str(tmp_path / "cache"), WANDB_DATA_DIR=str(tmp_path / "data"))
     run_dir = tmp_path / "run"
     flags = [*TINY, "--warmup_steps", "0", "--eval_every", "100", "--eval_tokens", "200", "--save_every", "2"]
-    proc = run_main([*flags, "--num_training_steps", "2", "--save_dir", str(run_dir)], env=env, timeout=180)
+    proc = run_trainer([*flags, "--num_training_steps", "2", "--save_dir", str(run_dir)], env=env, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert list((run_dir / "wandb").glob("offline-run-*")), "expected an offline wandb run inside the run folder"
 
     # A resume of the folder continues the same wandb run (the id kept in RUN/wandb_run_id), not a second one.
-    proc = run_main([*flags, "--num_training_steps", "3", "--continue_from", str(run_dir)], env=env, timeout=180)
+    proc = run_trainer([*flags, "--num_training_steps", "3", "--continue_from", str(run_dir)], env=env, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     legs = sorted(leg.name for leg in (run_dir / "wandb").glob("offline-run-*"))  # offline-run-<time>-<id>
     assert len(legs) == 2 and len({leg.rsplit("-", 1)[1] for leg in legs}) == 1, legs

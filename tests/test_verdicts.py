@@ -5,9 +5,21 @@ import numpy as np
 import pytest
 
 from utils import verdicts
-from utils.verdicts import (INSIDE_NOISE, NOT_MEASURABLE, NOT_REPRODUCED, OPPOSITE, REPRODUCED, bootstrap_mean_ci,
-                            judge_documents, judge_layer_removal, judge_seeds, pair_by_seed, paired_bootstrap_ci,
-                            paired_t_interval, t_quantile)
+from utils.verdicts import (
+    INSIDE_NOISE,
+    NOT_MEASURABLE,
+    NOT_REPRODUCED,
+    OPPOSITE,
+    REPRODUCED,
+    bootstrap_mean_ci,
+    judge_documents,
+    judge_layer_removal,
+    judge_seeds,
+    pair_by_seed,
+    paired_bootstrap_ci,
+    paired_t_interval,
+    t_quantile,
+)
 
 
 @pytest.mark.parametrize("df, expected", [(1, 12.7062047), (2, 4.3026527), (3, 3.1824463), (4, 2.7764451),

@@ -391,7 +391,7 @@ def budget_evidence(records) -> list[str]:
             continue
         best = [min(r["eval_curve"], key=lambda p: p[1])[0] for r in runs]
         last = [r["eval_curve"][-1][0] for r in runs]
-        falling = sum(b == l for b, l in zip(best, last))
+        falling = sum(best_step == last_step for best_step, last_step in zip(best, last))
         lines.append(f"| {ARM_BY_NAME[arm].label} | {', '.join(map(str, best))} | {last[0]} | {falling}/{len(runs)} |")
     return lines
 
