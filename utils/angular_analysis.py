@@ -8,6 +8,10 @@ d(l, n) = mean over all real (non-pad) token positions of arccos(cos(h_l, h_{l+n
 residual stream entering decoder layer 0 and h_l the stream leaving decoder layer l - 1 (forward hooks, see
 utils/model_io.py). Rows of the result are n = 1..L, columns l = 0..L-1; entries with l + n > L do not exist
 and are NaN (null in JSON, empty in CSV, masked in the heatmap).
+
+Block influence (ShortGPT, Men et al. 2024), from the same pass: BI(l) = 1 - mean over real tokens of
+cos(h_l, h_{l+1}), the input and output of layer l; a block near the identity has BI near 0. Written to
+block_influence.csv and .png, with each layer's rank by BI and by d(l, 1) and the Spearman correlation of the two.
 """
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ class AngularDistanceAccumulator:
     def __init__(self, num_layers: int):
         self.num_layers = num_layers
         self.angle_sums = torch.zeros(num_layers + 1, num_layers + 1, dtype=torch.float64)
+        self.adjacent_cosine_sums = torch.zeros(num_layers, dtype=torch.float64)  # cos(h_l, h_{l+1}), for BI
         self.num_tokens = 0
 
     def update(self, states: list[torch.Tensor]) -> None:
@@ -65,6 +70,7 @@ class AngularDistanceAccumulator:
             norms = gram.diagonal(dim1=1, dim2=2).sqrt().clamp_min(1e-300)
             cosines = (gram / (norms[:, :, None] * norms[:, None, :])).clamp_(-1.0, 1.0)
             self.angle_sums += (torch.arccos(cosines) / math.pi).sum(dim=0).cpu()
+            self.adjacent_cosine_sums += cosines.diagonal(offset=1, dim1=1, dim2=2).sum(dim=0).cpu()
         self.num_tokens += num_tokens
 
     def matrix(self) -> np.ndarray:
@@ -79,8 +85,15 @@ class AngularDistanceAccumulator:
         return result
 
 
-def compute_angular_distances(model, batches, total_tokens: int | None = None, device=None) -> tuple[np.ndarray, int]:
-    """Stream batches of (input_ids, attention_mask) through the model; return (matrix, tokens analysed)."""
+    def block_influence(self) -> np.ndarray:
+        """[l] = 1 - mean cosine between the input and the output of layer l (ShortGPT's BI)."""
+        if self.num_tokens == 0:
+            raise ValueError("no tokens were analysed")
+        return 1.0 - (self.adjacent_cosine_sums / self.num_tokens).numpy()
+
+
+def accumulate(model, batches, total_tokens: int | None = None, device=None) -> AngularDistanceAccumulator:
+    """Stream batches of (input_ids, attention_mask) through the model, summing over their real tokens."""
     stream = model_io.ResidualStream(model)
     device = device if device is not None else next(model.parameters()).device
     accumulator = AngularDistanceAccumulator(stream.num_layers)
@@ -88,7 +101,66 @@ def compute_angular_distances(model, batches, total_tokens: int | None = None, d
         for input_ids, attention_mask in batches:
             accumulator.update(stream(input_ids.to(device), attention_mask.to(device)))
             bar.update(int(attention_mask.sum()))
+    return accumulator
+
+
+def compute_angular_distances(model, batches, total_tokens: int | None = None, device=None) -> tuple[np.ndarray, int]:
+    """(matrix, tokens analysed): see AngularDistanceAccumulator.matrix."""
+    accumulator = accumulate(model, batches, total_tokens, device)
     return accumulator.matrix(), accumulator.num_tokens
+
+
+def ranks(values: np.ndarray) -> np.ndarray:
+    """1 = the largest value (the layer that changes the stream most); ties keep layer order."""
+    order = np.argsort(-values, kind="stable")
+    result = np.empty(len(values), dtype=int)
+    result[order] = np.arange(1, len(values) + 1)
+    return result
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman's rank correlation (Pearson's on the ranks)."""
+    return float(np.corrcoef(ranks(a), ranks(b))[0, 1])
+
+
+def save_block_influence(influence: np.ndarray, adjacent_distance: np.ndarray, output_dir: Path, title: str,
+                         metadata: dict) -> tuple[list[Path], float]:
+    """block_influence.csv (layer, BI, d(l, 1), both ranks) and a two-panel PNG; returns the Spearman correlation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    rho = spearman(influence, adjacent_distance)
+    csv_path = output_dir / "block_influence.csv"
+    with csv_path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["layer", "block_influence", "angular_distance_n1", "rank_by_block_influence",
+                         "rank_by_angular_distance_n1"])
+        for layer, (bi, d, bi_rank, d_rank) in enumerate(zip(influence, adjacent_distance, ranks(influence),
+                                                            ranks(adjacent_distance))):
+            writer.writerow([layer, f"{bi:.8f}", f"{d:.8f}", bi_rank, d_rank])
+    json_path = output_dir / "block_influence.json"
+    json_path.write_text(json.dumps(dict(metadata, block_influence=influence.tolist(),
+                                         angular_distance_n1=adjacent_distance.tolist(), spearman=rho), indent=1))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    layers = np.arange(len(influence))
+    left.bar(layers, influence, color="tab:blue")
+    left.set_xlabel(r"layer $\ell$")
+    left.set_ylabel(r"block influence $1 - \cos(h_\ell, h_{\ell+1})$")
+    right.scatter(adjacent_distance, influence, s=14)
+    for layer in layers:
+        right.annotate(str(layer), (adjacent_distance[layer], influence[layer]), fontsize=6)
+    right.set_xlabel(r"angular distance $d(\ell, 1)$")
+    right.set_ylabel("block influence")
+    right.set_title(f"Spearman rank correlation {rho:.3f}", fontsize=9)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    png_path = output_dir / "block_influence.png"
+    fig.savefig(png_path, dpi=160, bbox_inches="tight")
+    plt.close(fig)
+    return [csv_path, json_path, png_path], rho
 
 
 def normalize_rows(matrix: np.ndarray) -> np.ndarray:
@@ -175,7 +247,8 @@ def main(argv: list[str] | None = None) -> np.ndarray:
     max_seq_len = model_io.resolve_context_length(model, args.max_seq_len, fallback=model_io.HUB_STREAM_WINDOW)
     batches = model_io.token_batches(tokenizer, source, max_seq_len, args.num_tokens, args.batch_size)
     try:
-        matrix, num_tokens = compute_angular_distances(model, batches, total_tokens=args.num_tokens, device=device)
+        accumulator = accumulate(model, batches, total_tokens=args.num_tokens, device=device)
+        matrix, num_tokens, influence = accumulator.matrix(), accumulator.num_tokens, accumulator.block_influence()
     except ValueError as err:  # an empty text
         parser.error(f"--text_file/--dataset: {err}")
     if num_tokens < args.num_tokens:
@@ -190,6 +263,11 @@ def main(argv: list[str] | None = None) -> np.ndarray:
     written = save_matrix(matrix, output_dir, metadata)
     title = f"{Path(args.model_path.rstrip('/')).name}: {num_tokens} tokens of {Path(source_name).name}"
     written += plot_heatmap(matrix, output_dir, title, row_normalized=args.normalize_rows)
+    influence_files, rho = save_block_influence(influence, matrix[0], output_dir, title, metadata)
+    written += influence_files
+    print(f"[angular] block influence: largest at layers {np.argsort(-influence, kind='stable')[:3].tolist()}, "
+          f"smallest at {np.argsort(influence, kind='stable')[:3].tolist()}; Spearman correlation with d(l, 1): "
+          f"{rho:.3f}")
     for path in written:
         print(f"wrote {path}")
     return matrix
