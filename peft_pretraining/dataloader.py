@@ -118,7 +118,7 @@ def split_novel_into_documents(text: str, min_chars: int = MIN_DOCUMENT_CHARS) -
     return documents
 
 
-def _write_jsonl_gz(path: pathlib.Path, records: Iterable[dict]) -> None:
+def write_jsonl_gz(path: pathlib.Path, records: Iterable[dict]) -> None:
     """Byte-reproducible gzip (mtime 0, no file name in the header)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz:
@@ -150,7 +150,7 @@ def build_embedded_corpus(source: str | pathlib.Path, out_dir: str | pathlib.Pat
         split = "validation" if name == VALIDATION_NOVEL else "train"
         splits[split].extend({"text": doc, "source": name} for doc in documents)
     for split, records in splits.items():
-        _write_jsonl_gz(out_dir / f"{split}.jsonl.gz", records)
+        write_jsonl_gz(out_dir / f"{split}.jsonl.gz", records)
     summary = {split: {"documents": len(rows), "characters": sum(len(row["text"]) for row in rows)}
                for split, rows in splits.items()}
     if tokenizer_dir is not None:

@@ -27,7 +27,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
-from peft_pretraining.dataloader import _write_jsonl_gz, embedded_split_path  # noqa: E402
+from peft_pretraining.dataloader import embedded_split_path, write_jsonl_gz  # noqa: E402
 
 C4_CONFIG = "en"
 C4_README = """---
@@ -75,7 +75,7 @@ def write_c4_layout(out_dir, train_shards: int = 4, validation_shards: int = 2) 
     for split, shards in (("train", train_shards), ("validation", validation_shards)):
         records = [_c4_record(r, i) for i, r in enumerate(_embedded_records(split))]
         for shard in range(shards):
-            _write_jsonl_gz(out_dir / C4_CONFIG / f"c4-{split}.{shard:05d}-of-{shards:05d}.json.gz",
+            write_jsonl_gz(out_dir / C4_CONFIG / f"c4-{split}.{shard:05d}-of-{shards:05d}.json.gz",
                             records[shard::shards])
     (out_dir / "README.md").write_text(C4_README)
     return out_dir
