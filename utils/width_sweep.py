@@ -223,7 +223,9 @@ def identity_answer(axis: Axis, at_width: dict[int, list[verdicts.Verdict]], slo
             f"[{slope.low:+.4f}, {slope.high:+.4f}], and that of ln(LNS / Pre-LN), which does not depend on how "
             "the measure's scale moves with width, "
             + ("n/a" if ratio.effect is None else f"{ratio.effect:+.3f} [{ratio.low:+.3f}, {ratio.high:+.3f}]")
-            + " (95% intervals over seeds; a positive slope moves toward the paper).")
+            + " (95% intervals over seeds; a positive slope moves toward the paper)."
+            + {verdicts.OPPOSITE: " As a ratio, the gap grows with width.",
+               verdicts.REPRODUCED: " As a ratio, the gap shrinks with width."}.get(ratio.status, ""))
 
 
 # ------------------------------------------------------------------------------------------------------ report
