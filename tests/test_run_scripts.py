@@ -143,5 +143,7 @@ def test_benchmark_gpus_chunked_loss_is_the_models_loss():
         results.append((value.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
     (standard, standard_grads), (chunked, chunked_grads) = results
     torch.testing.assert_close(chunked, standard, rtol=1e-6, atol=1e-6)
-    for name, grad in standard_grads.items():
-        torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    for name, grad in standard_grads.items():  # fp32 sums in another order (and over threads): 1e-5 of the largest
+        scale = grad.abs().max().item()
+        torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-4, atol=1e-5 * scale,
+                                   msg=lambda detail, name=name: f"{name}: {detail}")
