@@ -155,6 +155,7 @@ def test_the_report_answers_whether_the_identity_gap_survives_width(gaps, answer
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 def test_width_sweep_quick_end_to_end_then_reuses_every_record(tmp_path, monkeypatch):
     """Float32 and eager, as the depth sweep's test: compilation would cost more than the runs."""
     out, runs = tmp_path / "report", tmp_path / "runs"
