@@ -517,9 +517,10 @@ class Run:
         stop_noted = torch.tensor(float(self.stop.signal_name is not None), dtype=torch.float64, device=device)
         update_stats = torch.stack([loss_sum, tokens_in_update.double(), stop_noted])
         dist.all_reduce(update_stats)
-        return Update(loss=update_stats[0].item(), tokens=int(update_stats[1].item()),
+        loss, tokens, stops = update_stats.tolist()  # one copy to the host, not one per value
+        return Update(loss=loss, tokens=int(tokens),
                       grad_norm=training_utils.grad_norm_and_clip(self.train_model.parameters(), args.grad_clipping),
-                      stop_requested=update_stats[2].item() > 0)
+                      stop_requested=stops > 0)
 
     def divergence(self, update: Update) -> str | None:
         if not math.isfinite(update.loss) or not math.isfinite(update.grad_norm):
