@@ -46,6 +46,16 @@ def test_gpu_tools_refuse_a_machine_without_cuda_in_one_line(command, tmp_path):
     assert not (tmp_path / "out").exists()  # nothing written
 
 
+def test_gpu_check_names_a_recipe_size_it_does_not_know_in_one_line(tmp_path, capsys):
+    from utils import gpu_check
+
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_check.main([str(tmp_path / "out"), "--stages", "recipes", "--recipe_sizes", "7b"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1 and "--recipe_sizes" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("flag, value", [("--steps", "0"), ("--warmup", "-1"), ("--seq_len", "0"),
                                          ("--batch_size", "0"), ("--peak_tflops", "0")])
 def test_benchmark_gpu_refuses_bad_counts_before_any_gpu_work(flag, value, monkeypatch, capsys):
