@@ -599,6 +599,8 @@ class Run:
                 self.log(f"checkpoint: {path}")
                 for removed in checkpointing.prune_checkpoints(run_dir, step, args.keep_last):
                     self.log(f"removed {removed} (--keep_last {args.keep_last})")
+                for slimmed in checkpointing.drop_training_state(run_dir, step, args.resumable_last):
+                    self.log(f"dropped the training state of {slimmed} (--resumable_last {args.resumable_last})")
         progress.last_checkpoint = path
 
     # ---- the end ------------------------------------------------------------------------------------------------

@@ -141,7 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "checkpoints "
                           "(default runs/<run_name>-<UTC time>; with --continue_from, the checkpoint's run folder)")
     run.add_argument("--keep_last", type=int, default=None,
-                     help="after each successful save, delete all but the newest N checkpoints (default: keep all)")
+                     help="after each successful save, delete all but the newest N resumable checkpoints (default: "
+                          "keep all)")
+    run.add_argument("--resumable_last", type=int, default=None,
+                     help="after each successful save, keep the training state (optimizer, data position) only in the "
+                          "newest N checkpoints; older ones keep their weights for the analyses and lm-eval, at a "
+                          "third of the disk, but cannot be resumed from (default: every checkpoint resumable)")
     run.add_argument("--continue_from", type=str, default=None,
                      help="checkpoint folder (model_<step>) or a run folder (its latest checkpoint) to resume")
     run.add_argument("--resume", type=str.lower, default=None, choices=("auto",),
@@ -329,6 +334,8 @@ def check_args(args, parser, world_size: int):
             parser.error(f"--{flag} must be positive, got {getattr(args, flag)}")
     if args.keep_last is not None and args.keep_last < 1:
         parser.error(f"--keep_last must be >= 1 (the newest checkpoint is always kept), got {args.keep_last}")
+    if args.resumable_last is not None and args.resumable_last < 1:
+        parser.error(f"--resumable_last must be >= 1 (the newest checkpoint always resumes), got {args.resumable_last}")
     if args.workers < 0:
         parser.error(f"--workers must be >= 0, got {args.workers}")
     if args.lr <= 0:

@@ -164,6 +164,22 @@ def prune_checkpoints(run_dir: str, just_saved_step: int, keep_last: int | None)
     return doomed
 
 
+def drop_training_state(run_dir: str, just_saved_step: int, resumable_last: int | None) -> list[str]:
+    """After a successful save: the checkpoint just written and the resumable_last - 1 newest before it keep their
+    training state; older ones lose training_state.pt and sharded/ (the optimizer, two to three times the weights)
+    and keep their HF export, which the analyses and lm-eval read. They are no longer resumable, so find_checkpoint
+    and --keep_last no longer count them. None keeps every training state. Returns the folders slimmed."""
+    checkpoints = dict(complete_checkpoints(run_dir))
+    if resumable_last is None or just_saved_step not in checkpoints:
+        return []
+    earlier = [path for step, path in sorted(checkpoints.items()) if step < just_saved_step]
+    slimmed = earlier[: max(len(earlier) - (resumable_last - 1), 0)]
+    for path in slimmed:
+        os.remove(os.path.join(path, TRAINING_STATE_FILE))  # first: a folder without it is never resumed from
+        shutil.rmtree(os.path.join(path, SHARDED_DIR), ignore_errors=True)
+    return slimmed
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Full checkpoints: model_<step>/ written atomically by rank 0, and read back on resume
 # ----------------------------------------------------------------------------------------------------------------

@@ -157,6 +157,7 @@ def test_run_jobs_counts_reused_records_at_once_and_returns_spec_order(tmp_path,
                 release.set()  # the slow run ends only after the bar has counted the reused record
 
     monkeypatch.setattr(study_lib, "run_job", fake_run_job)
+    monkeypatch.setattr(study_lib, "jobs_the_disk_holds", lambda specs, jobs, runs_dir: jobs)  # the specs are fakes
     monkeypatch.setattr(tqdm.auto, "tqdm", RecordingBar)
     specs = [study_lib.RunSpec(arm, 1, (), (1,)) for arm in ("slow", "late", "reused")]
     settings = study_lib.AnalysisSettings(8, 8, 1, 0, 1)
@@ -386,7 +387,8 @@ def test_overfit_point_finds_the_lowest_eval_and_whether_the_loss_rose_after_it(
 
 
 @pytest.mark.slow
-def test_an_interrupted_run_resumes_from_its_last_checkpoint(tmp_path):
+def test_an_interrupted_run_resumes_from_its_last_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setattr(study_lib, "RESUMABLE_CHECKPOINTS", 2)  # model_6 stays resumable once model_8 is gone
     args = depth_sweep.parse_args(["--quick", "--out", str(tmp_path / "report"), "--runs_dir", str(tmp_path / "runs")])
     spec, settings = depth_sweep.probe_spec(args), study_lib.analysis_settings(args.settings)
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
@@ -578,3 +580,20 @@ def test_the_overfit_probe_is_found_again_in_the_default_setting(tmp_path, monke
     trained = depth_sweep.collect_probe(depth_sweep.parse_args([*folders, "--overfit_probe"]))
     assert "--compile" in trained["flags"] and trained["flags"][trained["flags"].index("--dtype") + 1] == "mixed"
     assert depth_sweep.collect_probe(depth_sweep.parse_args(folders))["flags"] == trained["flags"]
+
+
+def test_jobs_are_lowered_until_the_runs_in_flight_fit_on_the_disk(tmp_path, monkeypatch, capsys):
+    """On a GPU, 18 hidden-1024 runs side by side filled a 64 GiB disk with checkpoints (session 29)."""
+    spec = study_lib.RunSpec("wide", 1, ("--model_config", "configs/llama_130m.json", "--num_training_steps", "400"),
+                             analyse_steps=(200, 300, 400))
+    narrow = study_lib.RunSpec("narrow", 1, ("--model_config", "configs/llama_tiny.json", "--num_training_steps",
+                                             "400"), analyse_steps=(200, 300, 400))
+    largest = study_lib.checkpoint_bytes(spec)
+    assert largest > study_lib.checkpoint_bytes(narrow) > 0
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(study_lib.shutil, "disk_usage", lambda path: usage._replace(free=int(2.5 * largest)))
+    assert study_lib.jobs_the_disk_holds([narrow, spec], 6, tmp_path) == 2
+    assert "--jobs 6 lowered to 2" in capsys.readouterr().out
+    monkeypatch.setattr(study_lib.shutil, "disk_usage", lambda path: usage._replace(free=100 * largest))
+    assert study_lib.jobs_the_disk_holds([narrow, spec], 6, tmp_path) == 6
+    assert capsys.readouterr().out == ""

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from peft_pretraining import args_utils
-from peft_pretraining.checkpointing import prune_checkpoints
+from peft_pretraining.checkpointing import drop_training_state, prune_checkpoints
 from peft_pretraining.dataloader import build_train_stream, count_target_tokens, iter_eval_batches, load_tokenizer
 from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config
 from peft_pretraining.training_utils import EXIT_DIVERGED, build_scheduler, evaluate, lr_factor
@@ -154,6 +154,35 @@ def test_keep_last_in_a_run(tmp_path):
     assert sorted(p.name for p in run_dir.glob("model_*")) == ["model_2", "model_3"]
 
 
+def test_resumable_last_slims_only_older_complete_checkpoints(tmp_path):
+    for step in (2, 4, 6, 12):
+        fake_checkpoint(tmp_path, step)
+    (tmp_path / "model_2" / "sharded").mkdir()  # an FSDP2 checkpoint's optimizer shards go too
+    fake_checkpoint(tmp_path, 5, complete=False)
+    assert drop_training_state(str(tmp_path), 6, None) == []
+    assert drop_training_state(str(tmp_path), 7, 1) == []  # model_7 was not written: nothing is touched
+    assert drop_training_state(str(tmp_path), 6, 2) == [str(tmp_path / "model_2")]
+    assert not (tmp_path / "model_2" / "training_state.pt").exists() and not (tmp_path / "model_2/sharded").exists()
+    assert (tmp_path / "model_2").is_dir()  # the folder, with its weights, stays
+    assert all((tmp_path / f"model_{step}" / "training_state.pt").exists() for step in (4, 6, 12))
+    assert drop_training_state(str(tmp_path), 6, 1) == [str(tmp_path / "model_4")]
+
+
+def test_resumable_last_in_a_run_keeps_old_weights_and_resumes_from_the_newest(tmp_path):
+    run_dir = tmp_path / "run"
+    flags = [*TINY, "--warmup_steps", "0", "--save_every", "1", "--eval_every", "100", "--eval_tokens", "200",
+             "--resumable_last", "1", "--save_dir", str(run_dir)]
+    proc = run_trainer([*flags, "--num_training_steps", "3"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [(run_dir / f"model_{step}" / "training_state.pt").exists() for step in (1, 2, 3)] == [False, False, True]
+    slimmed = LlamaForCausalLM.from_pretrained(run_dir / "model_1")  # what the analyses read still loads
+    assert torch.isfinite(next(slimmed.parameters())).all()
+    proc = run_trainer([*flags, "--num_training_steps", "4", "--resume", "auto"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "model_3" in proc.stdout + proc.stderr  # resumed from the one checkpoint that kept its training state
+    assert [(run_dir / f"model_{step}" / "training_state.pt").exists() for step in (3, 4)] == [False, True]
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Divergence
 # --------------------------------------------------------------------------------------------------------------
@@ -267,6 +296,7 @@ BASE = ["--model_config", "configs/llama_tiny.json", "--batch_size", "4"]
     (["--warmup_steps", "50", "--num_training_steps", "50"], "--warmup_steps"),
     (["--norm_type", "post_pre"], "--post_num"),
     (["--keep_last", "0"], "--keep_last"),
+    (["--resumable_last", "0"], "--resumable_last"),
     (["--layerscale_form", "vector"], "--layerscale_form"),
     (["--completep_alpha", "nan"], "--completep_alpha"),
     (["--embed_init_std", "0"], "--embed_init_std"),

@@ -102,6 +102,15 @@ def test_device_cuda_without_cuda_is_one_line_and_exit_2_before_any_work(study, 
     assert not list(tmp_path.iterdir())  # nothing written
 
 
+@pytest.mark.parametrize("study", STUDIES)
+def test_a_gpu_studys_report_is_written_on_a_machine_without_cuda(study, tmp_path, monkeypatch):
+    """--report_only trains nothing: a GPU sweep's committed records are reported anywhere."""
+    monkeypatch.setattr(study_lib, "cuda_available", lambda: False)
+    args = study.parse_args(["--device", "cuda", "--report_only", "--out", str(tmp_path / "report"),
+                             "--runs_dir", str(tmp_path / "runs")])
+    assert args.device == "cuda"
+
+
 def test_width_sweep_device_cuda_without_cuda_from_the_command_line(tmp_path):
     if study_lib.cuda_available():
         pytest.skip("this machine has a GPU")

@@ -217,7 +217,7 @@ def write_report(out: Path, stages: dict, command: str):
                                                     "targets": verdicts(stages)}, indent=2) + "\n")
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog="gpu_check.sh", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", help="where the report, the JSON and the stage logs go")
@@ -225,6 +225,11 @@ def main(argv=None) -> int:
                         choices=["recipes", "eager_1b", "bare_steps", "fsdp_resume"])
     parser.add_argument("--recipe_sizes", nargs="+", default=list(RECIPE_UPDATES), choices=list(RECIPE_UPDATES),
                         help="which recipes the recipes stage runs (default: all; 130m alone takes about 2 minutes)")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     import torch
 

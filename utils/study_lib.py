@@ -39,6 +39,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 DTYPE_LABELS = {"float32": "float32", "mixed": "mixed precision"}  # the studies' --dtype, as reports name it
 DEVICES = ("cpu", "cuda")  # the studies' --device
+# checkpoints of a run that keep their training state: older ones keep only the weights the analyses read (a third)
+RESUMABLE_CHECKPOINTS = 1
 RECORD_VERSION = 1
 # A layer counts as "cheap to remove" when removing it raises held-out perplexity by less than 1% (0.00995 nats).
 CHEAP_REMOVAL_NATS = math.log(1.01)
@@ -130,7 +132,7 @@ def resolve_study_args(parser: argparse.ArgumentParser, args, budgets: dict) -> 
         parser.error(f"--max_hours must be positive, got {args.max_hours}")
     # one deadline for the whole invocation, however many collect_records calls it makes (the sweep, then its probe)
     args.deadline = None if args.max_hours is None else time.time() + 3600 * args.max_hours
-    if args.device == "cuda" and not cuda_available():
+    if args.device == "cuda" and not args.report_only and not cuda_available():  # a GPU's records report anywhere
         parser.error("--device cuda: no CUDA device is visible on this machine")
     if args.device == "cpu" and args.dtype == "mixed" and not bf16_instructions():
         print("note: this CPU names no bf16 instructions (avx512_bf16, amx_bf16); --dtype mixed emulates bf16 "
@@ -379,7 +381,8 @@ def run_job(spec: RunSpec, settings: AnalysisSettings, runs_dir: Path, records_d
         save_every = spec.save_every or save_every_for(spec.analyse_steps)
         resume = ["--continue_from", str(run_dir)] if checkpoint else []
         cmd = [sys.executable, "torchrun_main.py", *spec.flags(), "--save_every", str(save_every),
-               "--save_dir", str(run_dir), "--run_name", f"study-{spec.name}", *resume]
+               "--resumable_last", str(RESUMABLE_CHECKPOINTS), "--save_dir", str(run_dir),
+               "--run_name", f"study-{spec.name}", *resume]
         code = _run_logged(cmd, log_dir / f"{spec.name}.train.log", env, append=bool(checkpoint))
         if code not in (0, 3):  # 3 = diverged: a result, not a failure
             raise JobFailed(f"training {spec.name} failed ({code}): {' '.join(cmd)}\n"
@@ -436,6 +439,31 @@ def curves_from_metrics(metrics_path: Path) -> dict:
                 norm_gain_curve=[[r["step"], r["norm_gain_mean"]] for r in rows if r.get("norm_gain_mean")])
 
 
+def checkpoint_bytes(spec: RunSpec) -> int:
+    """The most disk a run's folder takes while it trains: every checkpoint's fp32 weights, and the AdamW state
+    (twice the weights) in the newest and in the one being written."""
+    from utils.memory_estimate import parameter_count
+
+    flags = spec.flags()
+    config = argparse.Namespace(**json.loads((REPO / flags[flags.index("--model_config") + 1]).read_text()))
+    steps = int(flags[flags.index("--num_training_steps") + 1])
+    checkpoints = steps // (spec.save_every or save_every_for(spec.analyse_steps))
+    return 4 * parameter_count(config) * (checkpoints + 2 * 2)
+
+
+def jobs_the_disk_holds(specs: list[RunSpec], jobs: int, runs_dir: Path) -> int:
+    """`jobs`, lowered (with one line saying so) until the runs in flight cannot fill the disk that runs_dir is on."""
+    if not specs or jobs == 1:
+        return jobs
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    free, largest = shutil.disk_usage(runs_dir).free, max(checkpoint_bytes(spec) for spec in specs)
+    fits = max(1, min(jobs, int(0.9 * free // largest)))
+    if fits < jobs:
+        print(f"--jobs {jobs} lowered to {fits}: the largest run writes up to {largest / 1e9:.1f} GB of "
+              f"checkpoints and {free / 1e9:.0f} GB are free under {runs_dir}", flush=True)
+    return fits
+
+
 def run_jobs(specs: list[RunSpec], settings: AnalysisSettings, runs_dir: Path, records_dir: Path, jobs: int,
              fresh: bool = False, deadline: float | None = None,
              keep_checkpoints: bool = True) -> tuple[dict[str, dict], list[RunSpec]]:
@@ -446,6 +474,7 @@ def run_jobs(specs: list[RunSpec], settings: AnalysisSettings, runs_dir: Path, r
     """
     from tqdm.auto import tqdm
 
+    jobs = jobs_the_disk_holds(specs, jobs, runs_dir)
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
     records, skipped, failures = {}, [], []

@@ -43,7 +43,8 @@ from utils.study_lib import RunSpec  # noqa: E402
 # 400), at 24 layers. On the project's 2-core CPU (mixed precision, compiled) the runs take about 5 (hidden 64), 7
 # (128) and 17 (256) run-minutes, so the default's 18 runs fit in about 1.5 hours on two lanes of an idle machine.
 # The `gpu` budget adds 512, 768 and 1024 (36 runs; hidden 1024 at 24 layers is about 0.3 B parameters), for one
-# GPU: a 400-update run is seconds of GPU time there, so process start-up, compilation and the analyses dominate.
+# GPU: on one H100, six such runs side by side took 41-50 s each (hidden 64 to 512, eager), bound by kernel launches
+# and the GPU's time-slicing between processes rather than by FLOPs.
 BUDGETS = {
     "default": dict(widths=(64, 128, 256), depth=24, head_dim=16, steps=400, warmup=40, batch_size=16,
                     max_length=128, eval_tokens=32_768, seeds=(1, 2, 3), dynamics_points=3, stream_tokens=8_192,
@@ -70,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     study_lib.add_study_arguments(parser, BUDGETS, budget_help=(
         "default: hidden 64, 128, 256 (about 2 hours on a 2-core CPU); gpu: adds 512, 768 and 1024 and is meant "
-        "for one GPU (--budget gpu --device cuda: 36 runs, meant to fit in about 8 minutes on one H100; not yet "
-        "timed on a GPU, so give it --max_hours and rerun the same command to resume); quick: the CI smoke test"))
+        "for one GPU (--budget gpu --device cuda --jobs 6: 36 runs, meant to fit in about 8 minutes on one H100; "
+        "their training took about 5 minutes there, the analyses are not yet timed, so give it --max_hours and "
+        "rerun the same command to resume); quick: the CI smoke test"))
     parser.add_argument("--widths", nargs="+", type=int, default=None, help="override the budget's widths")
     parser.add_argument("--depth", type=int, default=None,
                         help="layers at every width (default 24; 48 is the other setting the report is meant for). "
