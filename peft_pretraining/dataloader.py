@@ -210,8 +210,10 @@ def load_tokenizer(name_or_path: str):
                 shutil.rmtree(staging, ignore_errors=True)
         tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
     else:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        from peft_pretraining.checkpointing import our_config
+
+        try:  # a checkpoint of ours, given our config, asks no custom-code question (checkpointing.our_config)
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path, config=our_config(name_or_path))
         except (OSError, ValueError) as error:  # ValueError: a folder without tokenizer files
             raise ValueError(f"--tokenizer {name_or_path!r} could not be loaded ({error}); use --tokenizer embedded "
                              "offline") from error

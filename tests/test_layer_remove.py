@@ -386,12 +386,15 @@ def test_a_fresh_checkpoint_loads_its_tokenizer_with_no_question_and_no_model_ty
               f"path = {str(model_dir)!r}\n"
               "print(type(model_io.load_tokenizer(path)).__name__)\n"
               "print(type(AutoTokenizer.from_pretrained(path, config=model_io.our_config(path))).__name__)\n"
+              "from peft_pretraining import dataloader\n"  # the trainer's --tokenizer <checkpoint>
+              "print(type(dataloader.load_tokenizer(path)).__name__)\n"
+              "print(type(AutoTokenizer.from_pretrained(path, trust_remote_code=True)).__name__)\n"
               "try:\n    AutoModelForCausalLM.from_pretrained(path)\n"
               "except ValueError as err:\n    print('REFUSED' if 'trust_remote_code' in str(err) else err)\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                             stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split() == ["TokenizersBackend", "TokenizersBackend", "REFUSED"]
+    assert result.stdout.split() == ["TokenizersBackend"] * 4 + ["REFUSED"]
     tokenizer_part = result.stderr.split("PROMPTED")[0]  # the model's refusal asks, as it should
     assert "Do you wish" not in tokenizer_part and "to instantiate a model of type" not in result.stderr
     assert result.stderr.count("PROMPTED") == 1

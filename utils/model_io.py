@@ -27,6 +27,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
+from peft_pretraining.checkpointing import our_config  # noqa: F401 (the analyses' tools import it from here)
 from peft_pretraining.dataloader import EMBEDDED_DIR, TOKENIZER_DIR, vocab_size_covering
 
 EMBEDDED_HELDOUT_TEXT = EMBEDDED_DIR / "validation.jsonl.gz"  # the held-out novel, one JSON {"text"} per line
@@ -156,27 +157,6 @@ def load_model(model_path: str, dtype: torch.dtype | str = torch.float32, device
     if reapply_layernorm_scaling_from_config(model):
         print(f"[model_io] {model_path} was saved with LayerNorm Scaling hooks; re-applied them", file=sys.stderr)
     return model.to(device).eval()
-
-
-def our_config(model_path: str | os.PathLike):
-    """Our NormPlacementConfig for a local folder whose config.json has our model_type, else None; for
-    ``AutoTokenizer.from_pretrained(folder, config=our_config(folder))``.
-
-    AutoTokenizer first reads the folder's config.json through AutoConfig. Our model_type (``llama_norm_placement``)
-    is unknown to stock transformers and our auto_map names our code, so AutoConfig asks "Do you wish to run the
-    custom code? [y/N]" (on a terminal; trust_remote_code=False skips the question), fails, and AutoTokenizer falls
-    back to a bare config with the warning "You are using a model of type `llama_norm_placement` to instantiate a
-    model of type ``". Given the config, it asks nothing and warns nothing. Checkpoints saved before our model_type
-    existed say "llama", which AutoConfig reads by itself: None for them.
-    """
-    if not Path(model_path).is_dir():
-        return None
-    config = read_local_config(model_path)
-    from peft_pretraining.modeling_llama import NormPlacementConfig
-
-    if not config or config.get("model_type") != NormPlacementConfig.model_type:
-        return None
-    return NormPlacementConfig.from_pretrained(model_path)
 
 
 def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
