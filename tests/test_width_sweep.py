@@ -111,6 +111,17 @@ def test_a_gpu_studys_report_is_written_on_a_machine_without_cuda(study, tmp_pat
     assert args.device == "cuda"
 
 
+@pytest.mark.parametrize("study", STUDIES)
+def test_a_study_without_lm_eval_stops_in_one_line_before_training(study, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "lm_eval.tasks", None)  # as on a machine where lm-eval does not import
+    with pytest.raises(SystemExit) as exit_info:
+        study.parse_args(["--quick", "--out", str(tmp_path / "report"), "--runs_dir", str(tmp_path / "runs")])
+    error = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(error.splitlines()) == 1 and "lm-eval" in error, error
+    assert not list(tmp_path.iterdir())
+    study.parse_args(["--quick", "--report_only", "--out", str(tmp_path / "report")])  # a report needs no lm-eval
+
+
 def test_width_sweep_device_cuda_without_cuda_from_the_command_line(tmp_path):
     if study_lib.cuda_available():
         pytest.skip("this machine has a GPU")

@@ -134,6 +134,12 @@ def resolve_study_args(parser: argparse.ArgumentParser, args, budgets: dict) -> 
     args.deadline = None if args.max_hours is None else time.time() + 3600 * args.max_hours
     if args.device == "cuda" and not args.report_only and not cuda_available():  # a GPU's records report anywhere
         parser.error("--device cuda: no CUDA device is visible on this machine")
+    if not args.report_only:
+        try:  # before any run trains: without it, every analysis fails after its training (a GPU image lacked it)
+            import lm_eval.tasks  # noqa: F401 (the removal analysis goes through lm-eval)
+        except ImportError as err:
+            parser.error(f"the removal analysis needs lm-eval, which does not import here ({err}); pip install -r "
+                         "exp_requirements.txt")
     if args.device == "cpu" and args.dtype == "mixed" and not bf16_instructions():
         print("note: this CPU names no bf16 instructions (avx512_bf16, amx_bf16); --dtype mixed emulates bf16 "
               "products here and trains about 3x slower than --dtype float32 (docs/study.md)", file=sys.stderr)
