@@ -189,6 +189,10 @@ def test_compare_norms_budgets_give_each_group_its_seeds():
     assert long_rivals["pre"] == long_rivals["post"] == long_rivals["skipinit"] == [1, 2, 3]
     assert "pre_bf16" not in long_rivals
     assert seeds_of(["--budget", "long_rivals", "--arms", "pre", "skipinit"]).keys() == {"pre", "skipinit"}
+    recent = ("gpas", "lns_gpas", "bhyt", "hybridnorm")  # issue 39: the long rivals budget and the smoke test
+    assert all(long_rivals[arm] == [1, 2, 3] for arm in recent)
+    assert all(seeds_of(["--quick"])[arm] == [1] for arm in recent)
+    assert not set(recent) & (default.keys() | rivals.keys())
 
 
 def test_long_rivals_reuses_the_long_studys_pre_ln_and_lns_records():
@@ -224,8 +228,9 @@ def test_a_sitting_with_arms_reports_every_arm_the_study_has_records_for(tmp_pat
     assert "| 2/3 (1 not yet run) |" in skipinit_row  # the budget's seeds, not only the recorded ones
     assert "| Peri-LN |" not in report  # no records, so not in the report, but named as still to train
     status = next(line for line in report.splitlines() if "no records yet" in line)
-    assert "The budget's other arm has no records yet (Peri-LN;" in status  # one arm: singular
-    assert "peri" in status.split("`--arms ")[1].split("`")[0].split()
+    assert "The budget's other 5 arms have no records yet (Peri-LN, GPAS, LNS + GPAS, BHyT, HybridNorm; 15 runs)" \
+        in status  # the four of issue 39 have no records yet either
+    assert {"peri", "gpas", "bhyt"} <= set(status.split("`--arms ")[1].split("`")[0].split())
 
 
 def test_budget_evidence_counts_only_runs_that_reached_the_end():

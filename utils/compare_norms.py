@@ -84,9 +84,15 @@ ARMS = [
                                                      f"{REFERENCE_EMBED_STD:.6f}"), "rivals"),
     Arm("lns_embed_ref", "LNS, embed std 0.632", ("--norm_type", "lns", "--embed_init_std",
                                                   f"{REFERENCE_EMBED_STD:.6f}"), "rivals"),
+    # the fixes published since the paper (issue 39): the long rivals budget and the quick smoke test train them
+    Arm("gpas", "GPAS", ("--norm_type", "gpas"), "recent"),
+    Arm("lns_gpas", "LNS + GPAS", ("--norm_type", "lns_gpas"), "recent"),
+    Arm("bhyt", "BHyT", ("--norm_type", "bhyt"), "recent"),
+    Arm("hybridnorm", "HybridNorm", ("--norm_type", "hybridnorm"), "recent"),
 ]
 ARM_BY_NAME = {arm.name: arm for arm in ARMS}
-SEED_KEYS = {"core": "seeds", "precision": "precision_seeds", "norms": "norms_seeds", "rivals": "seeds"}
+SEED_KEYS = {"core": "seeds", "precision": "precision_seeds", "norms": "norms_seeds", "rivals": "seeds",
+             "recent": "recent_seeds"}
 
 # The budgets. Chosen for statistical power within the time limit, not tuned to the paper (see the report).
 LONG_BUDGET = dict(steps=1500, warmup=75, groups=("core",), out="docs/study_long", runs_dir="runs/study_long")
@@ -95,7 +101,7 @@ BUDGETS = {
                     max_length=128, eval_tokens=65_536, seeds=(1, 2, 3), dynamics_points=5,
                     groups=("core", "precision", "norms"), precision_seeds=(1,), norms_seeds=(1,), stream_tokens=8_192,
                     jacobian_tokens=32, jacobian_probes=8, removal_documents=16, out="docs/study",
-                    runs_dir="runs/study"),
+                    runs_dir="runs/study", recent_seeds=(1, 2, 3)),
     # the default budget plus the rivals, a second pure-bf16 seed (an interval for the precision verdicts), and
     # Post-LN, Mix-LN and DeepNorm at every seed (same records folder as the default; its own report_rivals.md)
     "rivals": dict(groups=("core", "precision", "norms", "rivals"), precision_seeds=(1, 2), norms_seeds=(1, 2, 3),
@@ -103,11 +109,11 @@ BUDGETS = {
     "long": LONG_BUDGET,
     # the long budget plus Post-LN, Mix-LN, DeepNorm and the rivals at every seed (same records folder as `long`,
     # whose Pre-LN and LNS records it reuses; its own report_rivals.md). `--arms` picks a few: each run is long.
-    "long_rivals": {**LONG_BUDGET, "groups": ("core", "norms", "rivals"), "norms_seeds": (1, 2, 3),
+    "long_rivals": {**LONG_BUDGET, "groups": ("core", "norms", "rivals", "recent"), "norms_seeds": (1, 2, 3),
                     "report_suffix": "_rivals"},
     "quick": dict(model_config="configs/llama_tiny.json", steps=6, warmup=1, batch_size=4, max_length=64,
                   eval_tokens=1_024, seeds=(1, 2), precision_seeds=(1, 2), norms_seeds=(1, 2), dynamics_points=2,
-                  groups=("core", "precision", "norms"),
+                  groups=("core", "precision", "norms", "recent"), recent_seeds=(1,),
                   stream_tokens=512, jacobian_tokens=4, jacobian_probes=0, removal_documents=2,
                   out="runs/study_quick/report", runs_dir="runs/study_quick"),
 }
@@ -170,7 +176,7 @@ def run_specs(args, arms: list[Arm]) -> list[RunSpec]:
             "--grad_clipping", "1.0", "--weight_decay", "0", "--optimizer", "adam", "--workers", "0",
             "--device", args.device)
     specs = []
-    for group in ("core", "precision", "norms", "rivals"):  # the core first: a partial study answers it first
+    for group in ("core", "precision", "norms", "rivals", "recent"):  # the core first: a partial study answers it first
         seeds = s[SEED_KEYS[group]]
         for seed in seeds:  # seed-major, so that the pairs of a seed finish together
             for arm in (a for a in arms if a.group == group):
@@ -429,7 +435,7 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
                             f"({'every gain stayed exactly 1.0' if max(devs) == 0 else 'the gains moved'}).")
     if len(all_verdicts) == 2:
         sections.append(precision_section(records, *all_verdicts.values(), fp32_label))
-    table_arms = [a for a in arms if a.name in present and a.group in ("core", "norms", "rivals")]
+    table_arms = [a for a in arms if a.name in present and a.group in ("core", "norms", "rivals", "recent")]
     table = ""
     if "pre" in present:
         png = plot_per_arm(records, table_arms, out / f"per_arm{suffix}.png")
