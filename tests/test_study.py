@@ -10,22 +10,23 @@ import time
 import pytest
 import tqdm.auto
 
-from utils import compare_norms, depth_sweep, study_lib, verdicts
+from utils import compare_norms, depth_sweep
+from utils.study import engine, verdicts
 
 
 def test_evenly_spaced_steps_end_at_the_last_step_and_share_a_save_interval():
-    steps = study_lib.evenly_spaced_steps(1200, 5)
+    steps = engine.evenly_spaced_steps(1200, 5)
     assert steps == (240, 480, 720, 960, 1200)
-    assert study_lib.save_every_for(steps) == 240
-    assert study_lib.evenly_spaced_steps(300, 5) == (60, 120, 180, 240, 300)  # the CPU study's budget
+    assert engine.save_every_for(steps) == 240
+    assert engine.evenly_spaced_steps(300, 5) == (60, 120, 180, 240, 300)  # the CPU study's budget
     # 400 / 3 is not whole: the interval must divide 400, or the gcd (the save interval) would be 1 step
-    assert study_lib.evenly_spaced_steps(400, 3) == (200, 300, 400)
-    assert study_lib.save_every_for(study_lib.evenly_spaced_steps(400, 3)) == 100
+    assert engine.evenly_spaced_steps(400, 3) == (200, 300, 400)
+    assert engine.save_every_for(engine.evenly_spaced_steps(400, 3)) == 100
     with pytest.raises(ValueError, match="no divisor"):
-        study_lib.evenly_spaced_steps(401, 3)
-    assert study_lib.evenly_spaced_steps(7, 2)[-1] == 7
-    assert all(s % study_lib.save_every_for(study_lib.evenly_spaced_steps(7, 2)) == 0
-               for s in study_lib.evenly_spaced_steps(7, 2))
+        engine.evenly_spaced_steps(401, 3)
+    assert engine.evenly_spaced_steps(7, 2)[-1] == 7
+    assert all(s % engine.save_every_for(engine.evenly_spaced_steps(7, 2)) == 0
+               for s in engine.evenly_spaced_steps(7, 2))
 
 
 def crafted_analysis(num_layers=8, removal=None):
@@ -39,7 +40,7 @@ def crafted_analysis(num_layers=8, removal=None):
 
 
 def test_summarise_analysis_reads_the_deep_half():
-    summary = study_lib.summarise_analysis(crafted_analysis())
+    summary = engine.summarise_analysis(crafted_analysis())
     assert summary["variance_growth"] == pytest.approx(9 / 2)
     # Entry l is d(l, l+1), the change made by layer l (0-based): the deep half is layers 4..7, the last included,
     # the same layers as the Jacobian and removal measures.
@@ -63,33 +64,33 @@ def test_by_seed_gives_none_for_a_diverged_run():
     finished = dict(arm="pre", seed=1, status="finished", final_eval_loss=5.0, eval_curve=[[10, 5.0]],
                     analyses={"10": crafted_analysis()})
     diverged = dict(arm="pre", seed=2, status="diverged", final_eval_loss=None, eval_curve=[], analyses={})
-    values = study_lib.by_seed({"a": finished, "b": diverged}, "pre", "eval_loss")
+    values = engine.by_seed({"a": finished, "b": diverged}, "pre", "eval_loss")
     assert values == {1: 5.0, 2: None}
 
 
 def test_record_matches_only_identical_flags_and_settings():
-    settings = study_lib.AnalysisSettings(max_seq_len=64, stream_tokens=10, jacobian_tokens=2, jacobian_probes=0,
+    settings = engine.AnalysisSettings(max_seq_len=64, stream_tokens=10, jacobian_tokens=2, jacobian_probes=0,
                                           removal_documents=2)
-    spec = study_lib.RunSpec("pre", 1, ("--lr", "1e-3"), (2, 4))
-    record = dict(version=study_lib.RECORD_VERSION, flags=spec.flags(), analysis_settings=dataclasses.asdict(settings),
+    spec = engine.RunSpec("pre", 1, ("--lr", "1e-3"), (2, 4))
+    record = dict(version=engine.RECORD_VERSION, flags=spec.flags(), analysis_settings=dataclasses.asdict(settings),
                   last_step=4, analyses={"2": {}, "4": {}})
-    assert study_lib.record_matches(record, spec, settings)
-    assert not study_lib.record_matches(record, study_lib.RunSpec("pre", 1, ("--lr", "2e-3"), (2, 4)), settings)
-    assert not study_lib.record_matches(record, spec, study_lib.AnalysisSettings(64, 20, 2, 0, 2))
-    assert not study_lib.record_matches(dict(record, analyses={"4": {}}), spec, settings)
+    assert engine.record_matches(record, spec, settings)
+    assert not engine.record_matches(record, engine.RunSpec("pre", 1, ("--lr", "2e-3"), (2, 4)), settings)
+    assert not engine.record_matches(record, spec, engine.AnalysisSettings(64, 20, 2, 0, 2))
+    assert not engine.record_matches(dict(record, analyses={"4": {}}), spec, settings)
 
 
 def test_a_run_that_diverged_at_an_analysed_step_keeps_its_record():
     """A diverged run saves no checkpoint at the step it diverged at (torchrun_main.py), so its record has no analysis
     there; the record is still its run's, reused and reported rather than counted as missing."""
-    settings = study_lib.AnalysisSettings(64, 10, 2, 0, 2)
-    spec = study_lib.RunSpec("pre", 1, ("--lr", "1e-3"), (2, 4, 6))
-    record = dict(version=study_lib.RECORD_VERSION, flags=spec.flags(), analysis_settings=dataclasses.asdict(settings),
+    settings = engine.AnalysisSettings(64, 10, 2, 0, 2)
+    spec = engine.RunSpec("pre", 1, ("--lr", "1e-3"), (2, 4, 6))
+    record = dict(version=engine.RECORD_VERSION, flags=spec.flags(), analysis_settings=dataclasses.asdict(settings),
                   status="diverged", last_step=4, analyses={"2": {}})
-    assert study_lib.record_matches(record, spec, settings)
-    assert not study_lib.record_matches(dict(record, analyses={"2": {}, "4": {}}), spec, settings)
-    assert study_lib.record_matches(dict(record, last_step=5, analyses={"2": {}, "4": {}}), spec, settings)
-    assert not study_lib.record_matches(dict(record, status="finished"), spec, settings)
+    assert engine.record_matches(record, spec, settings)
+    assert not engine.record_matches(dict(record, analyses={"2": {}, "4": {}}), spec, settings)
+    assert engine.record_matches(dict(record, last_step=5, analyses={"2": {}, "4": {}}), spec, settings)
+    assert not engine.record_matches(dict(record, status="finished"), spec, settings)
 
 
 @pytest.mark.slow
@@ -99,17 +100,17 @@ def test_a_diverged_run_is_not_redone_by_the_next_invocation(tmp_path):
     args = depth_sweep.parse_args(["--quick", "--dtype", "float32", "--no-compile", "--out", str(tmp_path / "report"),
                                    "--runs_dir", str(tmp_path / "runs")])
     flags = (*depth_sweep.train_flags(args, 2, 2, 1, 1), "--norm_type", "pre", "--divergence_loss", "0.5")
-    spec, settings = study_lib.RunSpec("pre", 1, flags, (1, 2)), study_lib.analysis_settings(args.settings)
+    spec, settings = engine.RunSpec("pre", 1, flags, (1, 2)), engine.analysis_settings(args.settings)
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
-    first = study_lib.run_job(spec, settings, args.runs_dir, tmp_path / "records", env)
+    first = engine.run_job(spec, settings, args.runs_dir, tmp_path / "records", env)
     assert first["status"] == "diverged" and first["last_step"] == 1 and first["analyses"] == {}
-    assert study_lib.run_job(spec, settings, args.runs_dir, tmp_path / "records", env)["reused"] == "record"
-    assert list(study_lib.load_records([spec], settings, tmp_path / "records")) == ["pre-seed1"]
+    assert engine.run_job(spec, settings, args.runs_dir, tmp_path / "records", env)["reused"] == "record"
+    assert list(engine.load_records([spec], settings, tmp_path / "records")) == ["pre-seed1"]
 
 
 def test_a_report_whose_pure_bf16_runs_diverged_before_their_checkpoint_is_written(tmp_path):
     """Pure-bf16 runs that diverged before the end have no analysed checkpoint, so no norm gains to report."""
-    shutil.copytree(study_lib.REPO / "docs/study_mixed_compile/runs", tmp_path / "runs")
+    shutil.copytree(engine.REPO / "docs/study_mixed_compile/runs", tmp_path / "runs")
     for arm in ("pre_bf16", "lns_bf16"):
         path = tmp_path / "runs" / f"{arm}-seed1.json"
         record = json.loads(path.read_text())
@@ -132,7 +133,7 @@ def test_run_jobs_counts_reused_records_at_once_and_returns_spec_order(tmp_path,
         if spec.arm == "slow":
             assert release.wait(10), "the bar did not count the reused record while a run was still training"
         elif spec.arm == "late":
-            raise study_lib.PastDeadline()
+            raise engine.PastDeadline()
         finished.append(spec.name)
         return {"name": spec.name}
 
@@ -156,12 +157,12 @@ def test_run_jobs_counts_reused_records_at_once_and_returns_spec_order(tmp_path,
             if "reused-seed1" in finished:
                 release.set()  # the slow run ends only after the bar has counted the reused record
 
-    monkeypatch.setattr(study_lib, "run_job", fake_run_job)
-    monkeypatch.setattr(study_lib, "jobs_the_disk_holds", lambda specs, jobs, runs_dir: jobs)  # the specs are fakes
+    monkeypatch.setattr(engine, "run_job", fake_run_job)
+    monkeypatch.setattr(engine, "jobs_the_disk_holds", lambda specs, jobs, runs_dir: jobs)  # the specs are fakes
     monkeypatch.setattr(tqdm.auto, "tqdm", RecordingBar)
-    specs = [study_lib.RunSpec(arm, 1, (), (1,)) for arm in ("slow", "late", "reused")]
-    settings = study_lib.AnalysisSettings(8, 8, 1, 0, 1)
-    records, skipped = study_lib.run_jobs(specs, settings, tmp_path, tmp_path, jobs=3)
+    specs = [engine.RunSpec(arm, 1, (), (1,)) for arm in ("slow", "late", "reused")]
+    settings = engine.AnalysisSettings(8, 8, 1, 0, 1)
+    records, skipped = engine.run_jobs(specs, settings, tmp_path, tmp_path, jobs=3)
     assert finished == ["reused-seed1", "slow-seed1"]
     assert ["reused-seed1"] in bar_counts and len(bar_counts) == 3
     assert list(records) == ["slow-seed1", "reused-seed1"]
@@ -214,7 +215,7 @@ def test_long_rivals_reuses_the_long_studys_pre_ln_and_lns_records():
 def test_a_sitting_with_arms_reports_every_arm_the_study_has_records_for(tmp_path):
     """`--arms` picks what a sitting trains, not what its report shows: the committed long-rivals records of the arms
     left out stay in the report, and an arm short of a seed makes the report partial."""
-    shutil.copytree(study_lib.REPO / "docs/study_long_mixed_compile/runs", tmp_path / "runs")
+    shutil.copytree(engine.REPO / "docs/study_long_mixed_compile/runs", tmp_path / "runs")
     (tmp_path / "runs/skipinit-seed3.json").unlink()
     for record in (tmp_path / "runs").glob("peri-seed*.json"):  # an arm with no records at all
         record.unlink()
@@ -245,15 +246,15 @@ def test_budget_evidence_counts_only_runs_that_reached_the_end():
 
 
 def test_projected_wall_time_replays_the_two_lane_schedule():
-    specs = [study_lib.RunSpec(arm, 1, (), (4,)) for arm in ("a", "b", "c", "d")]
+    specs = [engine.RunSpec(arm, 1, (), (4,)) for arm in ("a", "b", "c", "d")]
     minutes = {"a": 30, "b": 10, "c": 10, "d": 20}
     records = {f"{arm}-seed1": dict(train_seconds=60 * m - 60, analysis_seconds=60) for arm, m in minutes.items()}
     # lane 1: a (0-30); lane 2: b (0-10), c (10-20), d (20-40): 40 minutes, not the 35 of an even split
-    assert study_lib.projected_wall_minutes(specs, records, 2) == pytest.approx(40)
-    assert study_lib.projected_wall_minutes(specs, records, 1) == pytest.approx(70)
+    assert engine.projected_wall_minutes(specs, records, 2) == pytest.approx(40)
+    assert engine.projected_wall_minutes(specs, records, 1) == pytest.approx(70)
     untimed = dict(records, **{"d-seed1": dict(train_seconds=100, analysis_seconds=None)})
-    assert study_lib.projected_wall_minutes(specs, untimed, 2) is None
-    assert "projected once" in study_lib.wall_time_sentence(specs, untimed, 2)
+    assert engine.projected_wall_minutes(specs, untimed, 2) is None
+    assert "projected once" in engine.wall_time_sentence(specs, untimed, 2)
 
 
 def test_precision_section_shows_a_one_seed_bf16_effect_as_a_point_estimate():
@@ -340,12 +341,12 @@ def test_depth_sweep_quick_end_to_end_then_reuses_every_record(tmp_path):
     for png in ("measures_vs_depth.png", "loss_gap_vs_depth.png"):
         assert (out / png).stat().st_size > 1000
     record = json.loads(next((out / "runs").glob("L4-lns-seed1.json")).read_text())
-    assert record["machine"] == study_lib.machine_description()
+    assert record["machine"] == engine.machine_description()
     assert f"**Machine** of the runs: {record['machine']} (9 runs)." in report  # the probe too
     analysed = record["analyses"][max(record["analyses"], key=int)]
     assert len(analysed["jacobian_rel_identity_dev"]) == 4 and len(analysed["removal_nats"]) == 4
     assert len(analysed["removal_document_nats"]) == 2 and len(analysed["removal_document_costs"]) == 4  # 2 documents
-    assert len(study_lib.document_measures(record)["removal_deep"]) == 2
+    assert len(engine.document_measures(record)["removal_deep"]) == 2
     # A second invocation, with the runs folder gone, reuses the committed records and trains nothing.
     shutil.rmtree(runs)
     assert depth_sweep.main(["--quick", *float32_eager, "--out", str(out), "--runs_dir", str(runs)]) == 0
@@ -372,8 +373,8 @@ def test_max_hours_is_one_deadline_for_the_sweep_and_its_probe(tmp_path, monkeyp
         clock[0] += 2 * 3600  # the runs take two hours
         return {}, []
 
-    monkeypatch.setattr(study_lib.time, "time", lambda: clock[0])
-    monkeypatch.setattr(study_lib, "run_jobs", fake_run_jobs)
+    monkeypatch.setattr(engine.time, "time", lambda: clock[0])
+    monkeypatch.setattr(engine, "run_jobs", fake_run_jobs)
     monkeypatch.setattr(depth_sweep, "write_report", lambda *args, **kwargs: tmp_path / "report.md")
     assert depth_sweep.main(["--quick", "--max_hours", "1", "--overfit_probe", "--out", str(tmp_path / "report"),
                              "--runs_dir", str(tmp_path / "runs")]) == 0
@@ -393,17 +394,17 @@ def test_overfit_point_finds_the_lowest_eval_and_whether_the_loss_rose_after_it(
 
 @pytest.mark.slow
 def test_an_interrupted_run_resumes_from_its_last_checkpoint(tmp_path, monkeypatch):
-    monkeypatch.setattr(study_lib, "RESUMABLE_CHECKPOINTS", 2)  # model_6 stays resumable once model_8 is gone
+    monkeypatch.setattr(engine, "RESUMABLE_CHECKPOINTS", 2)  # model_6 stays resumable once model_8 is gone
     args = depth_sweep.parse_args(["--quick", "--out", str(tmp_path / "report"), "--runs_dir", str(tmp_path / "runs")])
-    spec, settings = depth_sweep.probe_spec(args), study_lib.analysis_settings(args.settings)
+    spec, settings = depth_sweep.probe_spec(args), engine.analysis_settings(args.settings)
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
-    whole = study_lib.run_job(spec, settings, args.runs_dir, tmp_path / "records", env)
+    whole = engine.run_job(spec, settings, args.runs_dir, tmp_path / "records", env)
     # Make the folder look like a run killed after its step-6 checkpoint: no results, no step-8 checkpoint.
     run_dir = args.runs_dir / spec.name
     (run_dir / "results.json").unlink()
     shutil.rmtree(run_dir / "model_8")
     (tmp_path / "records" / f"{spec.name}.json").unlink()
-    resumed = study_lib.run_job(spec, settings, args.runs_dir, tmp_path / "records", env)
+    resumed = engine.run_job(spec, settings, args.runs_dir, tmp_path / "records", env)
     assert "resumed from" in (args.runs_dir / "logs" / f"{spec.name}.train.log").read_text()
     assert [step for step, _ in resumed["eval_curve"]] == [2, 4, 6, 8]  # rows past step 6 replaced, not repeated
     assert resumed["final_eval_loss"] == pytest.approx(whole["final_eval_loss"], abs=1e-5)
@@ -463,12 +464,12 @@ def test_per_arm_table_sets_every_arm_against_pre_ln_and_lns(tmp_path):
 def test_compile_flag_reaches_every_run_and_its_record_identity(study, compile_flag, tmp_path, monkeypatch):
     """--compile trains every run compiled, and it is part of the flags a record is matched on."""
     ran = []
-    monkeypatch.setattr(study_lib, "run_jobs", lambda specs, *rest: (ran.extend(specs), ({}, []))[1])
+    monkeypatch.setattr(engine, "run_jobs", lambda specs, *rest: (ran.extend(specs), ({}, []))[1])
     argv = ["--quick", "--out", str(tmp_path / "report"), "--runs_dir", str(tmp_path / "runs")]
     args = study.parse_args(argv + ["--compile" if compile_flag else "--no-compile"])
     specs = (compare_norms.run_specs(args, compare_norms.study_arms(args)) if study is compare_norms
              else depth_sweep.run_specs(args))
-    study_lib.collect_records(args, specs)
+    engine.collect_records(args, specs)
     assert ran and all(("--compile" in spec.flags()) == compile_flag for spec in ran)
     assert all("--compile" not in spec.flags() for spec in specs)  # the caller's specs are left as they were
 
@@ -478,12 +479,12 @@ def test_compile_flag_reaches_every_run_and_its_record_identity(study, compile_f
 def test_dtype_flag_reaches_every_run_but_the_pure_bf16_arms(study, dtype, tmp_path, monkeypatch):
     """--dtype sets what every run with fp32 master weights trains in; a pure-bf16 arm keeps bfloat16."""
     ran = []
-    monkeypatch.setattr(study_lib, "run_jobs", lambda specs, *rest: (ran.extend(specs), ({}, []))[1])
+    monkeypatch.setattr(engine, "run_jobs", lambda specs, *rest: (ran.extend(specs), ({}, []))[1])
     argv = ["--budget", "default", "--out", str(tmp_path / "report"), "--runs_dir", str(tmp_path / "runs")]
     args = study.parse_args(argv + ["--dtype", dtype])
     specs = (compare_norms.run_specs(args, compare_norms.study_arms(args)) if study is compare_norms
              else depth_sweep.run_specs(args))
-    study_lib.collect_records(args, specs)
+    engine.collect_records(args, specs)
 
     def trained_in(spec):
         flags = spec.flags()
@@ -535,7 +536,7 @@ def test_a_dtype_or_compile_variant_gets_its_own_default_folders(study, budget, 
     """A variant's runs are other records: by default they go beside the committed ones, never over them; the
     committed float32, eager records keep their plain folders."""
     args = study.parse_args(["--budget", budget, *flags])
-    assert args.out == study_lib.REPO / out and args.runs_dir == study_lib.REPO / runs_dir
+    assert args.out == engine.REPO / out and args.runs_dir == engine.REPO / runs_dir
 
 
 @pytest.mark.parametrize("argv, command", [
@@ -547,24 +548,24 @@ def test_a_dtype_or_compile_variant_gets_its_own_default_folders(study, budget, 
 ])
 def test_a_report_names_the_precision_and_mode_it_was_trained_in(argv, command):
     """The report's command stays true when a default changes: it always names --dtype and --compile."""
-    line = study_lib.generated_by("utils/compare_norms.py", argv, compare_norms.parse_args(argv))
+    line = engine.generated_by("utils/compare_norms.py", argv, compare_norms.parse_args(argv))
     assert line.startswith(f"Generated by `{command}")
 
 
 def test_only_a_sitting_that_ran_reports_its_duration():
     """--report_only trains nothing: its header says so instead of timing the rewrite."""
     started = time.time() - 90
-    assert study_lib.sitting_clause(["--report_only"], started, reused=11) == "."
-    clause = study_lib.sitting_clause(["--max_hours", "1"], started, reused=4)
+    assert engine.sitting_clause(["--report_only"], started, reused=11) == "."
+    clause = engine.sitting_clause(["--max_hours", "1"], started, reused=4)
     assert clause.startswith("; this invocation took 1.5 minutes") and "reused 4 records" in clause
 
 
 def test_a_report_names_the_machines_its_records_were_made_on():
     """--report_only may rewrite a report elsewhere: its machine line comes from the records, not the writer."""
     records = {"a": dict(machine="Xeon"), "b": dict(machine="EPYC"), "c": dict(machine="Xeon"), "d": {}}
-    line = study_lib.records_machines(records)
+    line = engine.records_machines(records)
     assert line.startswith("Xeon (2 runs); EPYC (1 runs); not recorded for 1 runs")
-    assert study_lib.records_machines({}) == "no records yet"
+    assert engine.records_machines({}) == "no records yet"
 
 
 def test_the_overfit_probe_is_found_again_in_the_default_setting(tmp_path, monkeypatch):
@@ -574,13 +575,13 @@ def test_the_overfit_probe_is_found_again_in_the_default_setting(tmp_path, monke
         records_dir.mkdir(parents=True, exist_ok=True)
         records = {}
         for spec in specs:
-            records[spec.name] = dict(version=study_lib.RECORD_VERSION, arm=spec.arm, seed=spec.seed,
+            records[spec.name] = dict(version=engine.RECORD_VERSION, arm=spec.arm, seed=spec.seed,
                                       flags=spec.flags(), analysis_settings=dataclasses.asdict(settings),
                                       status="finished", last_step=8, analyses={}, eval_curve=[[8, 5.0]])
             (records_dir / f"{spec.name}.json").write_text(json.dumps(records[spec.name]))
         return records, []
 
-    monkeypatch.setattr(study_lib, "run_jobs", fake_run_jobs)
+    monkeypatch.setattr(engine, "run_jobs", fake_run_jobs)
     folders = ["--quick", "--out", str(tmp_path / "report"), "--runs_dir", str(tmp_path / "runs")]
     trained = depth_sweep.collect_probe(depth_sweep.parse_args([*folders, "--overfit_probe"]))
     assert "--compile" in trained["flags"] and trained["flags"][trained["flags"].index("--dtype") + 1] == "mixed"
@@ -589,16 +590,16 @@ def test_the_overfit_probe_is_found_again_in_the_default_setting(tmp_path, monke
 
 def test_jobs_are_lowered_until_the_runs_in_flight_fit_on_the_disk(tmp_path, monkeypatch, capsys):
     """On a GPU, 18 hidden-1024 runs side by side filled a 64 GiB disk with checkpoints (session 29)."""
-    spec = study_lib.RunSpec("wide", 1, ("--model_config", "configs/llama_130m.json", "--num_training_steps", "400"),
+    spec = engine.RunSpec("wide", 1, ("--model_config", "configs/llama_130m.json", "--num_training_steps", "400"),
                              analyse_steps=(200, 300, 400))
-    narrow = study_lib.RunSpec("narrow", 1, ("--model_config", "configs/llama_tiny.json", "--num_training_steps",
+    narrow = engine.RunSpec("narrow", 1, ("--model_config", "configs/llama_tiny.json", "--num_training_steps",
                                              "400"), analyse_steps=(200, 300, 400))
-    largest = study_lib.checkpoint_bytes(spec)
-    assert largest > study_lib.checkpoint_bytes(narrow) > 0
+    largest = engine.checkpoint_bytes(spec)
+    assert largest > engine.checkpoint_bytes(narrow) > 0
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(study_lib.shutil, "disk_usage", lambda path: usage._replace(free=int(2.5 * largest)))
-    assert study_lib.jobs_the_disk_holds([narrow, spec], 6, tmp_path) == 2
+    monkeypatch.setattr(engine.shutil, "disk_usage", lambda path: usage._replace(free=int(2.5 * largest)))
+    assert engine.jobs_the_disk_holds([narrow, spec], 6, tmp_path) == 2
     assert "--jobs 6 lowered to 2" in capsys.readouterr().out
-    monkeypatch.setattr(study_lib.shutil, "disk_usage", lambda path: usage._replace(free=100 * largest))
-    assert study_lib.jobs_the_disk_holds([narrow, spec], 6, tmp_path) == 6
+    monkeypatch.setattr(engine.shutil, "disk_usage", lambda path: usage._replace(free=100 * largest))
+    assert engine.jobs_the_disk_holds([narrow, spec], 6, tmp_path) == 6
     assert capsys.readouterr().out == ""

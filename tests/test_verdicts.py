@@ -4,8 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from utils import verdicts
-from utils.verdicts import (
+from utils.study import verdicts
+from utils.study.verdicts import (
     INSIDE_NOISE,
     NOT_MEASURABLE,
     NOT_REPRODUCED,

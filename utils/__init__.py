@@ -10,8 +10,8 @@ Layer analyses (docs/analyses.md), on our checkpoints and on Hugging Face causal
 Studies (docs/study.md), Pre-LN against LNS and the other placements, trained and measured end to end:
     compare_norms       the CPU-scale study: every placement on one budget, with every instrument
     depth_sweep         the same at several depths; width_sweep at several widths
-    study_lib           what the studies share: runs, records, analyses, reports
-    verdicts            paired verdicts on the paper's claims, with an effect and its 95% interval
+    study/              their engine: study/engine.py (runs, records, analyses, reports) and study/verdicts.py
+                        (paired verdicts on the paper's claims, with an effect and its 95% interval)
 
 Checkpoints and fine-tuning:
     export_hf           export a checkpoint of ours to a stock transformers LlamaForCausalLM

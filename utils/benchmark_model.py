@@ -65,7 +65,7 @@ from transformers import LlamaForCausalLM as HFLlamaForCausalLM  # noqa: E402
 from peft_pretraining import modeling_llama  # noqa: E402
 from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
 from peft_pretraining.training_utils import build_optimizer, keep_freed_host_memory  # noqa: E402
-from utils.study_lib import bf16_instructions, cpu_model_name  # noqa: E402
+from utils.study.engine import bf16_instructions, cpu_model_name  # noqa: E402
 
 STUDY_CONFIG = "configs/llama_tiny_deep.json"
 MODELS = ("ours", "before", "hf", "hf_eager_attn")
@@ -275,8 +275,9 @@ from utils import compare_norms as study
 if hasattr(study, "run_specs"):
     args = study.parse_args(["--arms", "pre", "--seeds", "1"])
     specs = study.run_specs(args, study.study_arms(args))
-    if hasattr(study.study_lib, "as_trained"):  # since the studies' defaults became mixed precision, compiled
-        specs = study.study_lib.as_trained(args, specs)
+    engine = getattr(study, "engine", None) or study.study_lib  # utils/study/engine.py, utils/study_lib.py before
+    if hasattr(engine, "as_trained"):  # since the studies' defaults became mixed precision, compiled
+        specs = engine.as_trained(args, specs)
     flags = specs[0].flags()
 else:
     flags = study.train_flags(study.parse_args([]), "pre", 1)
@@ -409,7 +410,7 @@ def run_side_by_side(args, out_dirs: list[Path], threads: int) -> dict:
 
 
 def layout_section(args) -> list[dict]:
-    """How the study should share the cores among its runs (utils/study_lib.py runs --jobs runs of one thread each).
+    """How the study should share the cores among its runs (utils/engine.py runs --jobs runs of one thread each).
 
     `--layout_cores` runs side by side with one thread each, against the same runs one after another with
     `--layout_cores` threads each. The figure is the machine's total training throughput: the sum of the

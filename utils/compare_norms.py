@@ -17,7 +17,7 @@ Each run trains `torchrun_main.py` on the embedded corpus (same data order and i
 then the analysis tools measure its checkpoints: the core arms at five points through training (the dynamics), the
 others at the end. Each finished run leaves a small record in `<out>/runs/`; records are committed with the report, so
 a later invocation reuses them (`--max_hours` stops starting new runs after a deadline; the next call continues).
-Verdicts compare arms seed by seed (utils/verdicts.py) and print each effect with its 95% interval.
+Verdicts compare arms seed by seed (utils/study/verdicts.py) and print each effect with its 95% interval.
 """
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
-from utils import study_lib, verdicts  # noqa: E402
-from utils.study_lib import RunSpec  # noqa: E402
+from utils.study import engine, verdicts  # noqa: E402
+from utils.study.engine import RunSpec  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +101,7 @@ BUDGETS = {
                     max_length=128, eval_tokens=65_536, seeds=(1, 2, 3), dynamics_points=5,
                     groups=("core", "precision", "norms"), precision_seeds=(1,), norms_seeds=(1,), stream_tokens=8_192,
                     jacobian_tokens=32, jacobian_probes=8, removal_documents=16, out="docs/study",
-                    runs_dir="runs/study", recent_seeds=(1, 2, 3)),
+                    runs_dir="runs/study"),
     # the default budget plus the rivals, a second pure-bf16 seed (an interval for the precision verdicts), and
     # Post-LN, Mix-LN and DeepNorm at every seed (same records folder as the default; its own report_rivals.md)
     "rivals": dict(groups=("core", "precision", "norms", "rivals"), precision_seeds=(1, 2), norms_seeds=(1, 2, 3),
@@ -110,6 +110,7 @@ BUDGETS = {
     # the long budget plus Post-LN, Mix-LN, DeepNorm and the rivals at every seed (same records folder as `long`,
     # whose Pre-LN and LNS records it reuses; its own report_rivals.md). `--arms` picks a few: each run is long.
     "long_rivals": {**LONG_BUDGET, "groups": ("core", "norms", "rivals", "recent"), "norms_seeds": (1, 2, 3),
+                    "recent_seeds": (1, 2, 3),
                     "report_suffix": "_rivals"},
     "quick": dict(model_config="configs/llama_tiny.json", steps=6, warmup=1, batch_size=4, max_length=64,
                   eval_tokens=1_024, seeds=(1, 2), precision_seeds=(1, 2), norms_seeds=(1, 2), dynamics_points=2,
@@ -121,7 +122,7 @@ BUDGETS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    study_lib.add_study_arguments(parser, BUDGETS)
+    engine.add_study_arguments(parser, BUDGETS)
     parser.add_argument("--arms", nargs="+", default=None,
                         help=f"train only these arms (of {', '.join(ARM_BY_NAME)}); the report also keeps the "
                              "budget's other arms that already have records")
@@ -131,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    study_lib.resolve_study_args(parser, args, BUDGETS)
+    engine.resolve_study_args(parser, args, BUDGETS)
     if args.seeds:
         for key in SEED_KEYS.values():
             args.settings[key] = tuple(args.seeds)
@@ -157,10 +158,10 @@ def with_saved_arms(args, arms: list[Arm], records: dict, skipped: list[RunSpec]
     chosen = {arm.name for arm in arms}
     others = [arm for arm in budget_arms(args) if arm.name not in chosen]
     other_specs = run_specs(args, others)
-    saved = study_lib.saved_records(args, other_specs)
+    saved = engine.saved_records(args, other_specs)
     with_records = {record["arm"] for record in saved.values()}
     reported = [arm for arm in ARMS if arm.name in chosen or arm.name in with_records]
-    missing = [spec for spec in study_lib.as_trained(args, other_specs)
+    missing = [spec for spec in engine.as_trained(args, other_specs)
                if spec.name not in saved and spec.arm in with_records]
     return reported, {**records, **saved}, skipped + missing
 
@@ -168,7 +169,7 @@ def with_saved_arms(args, arms: list[Arm], records: dict, skipped: list[RunSpec]
 def run_specs(args, arms: list[Arm]) -> list[RunSpec]:
     s = args.settings
     num_layers = json.loads((REPO / s["model_config"]).read_text())["num_hidden_layers"]
-    dynamics = study_lib.evenly_spaced_steps(s["steps"], s["dynamics_points"])
+    dynamics = engine.evenly_spaced_steps(s["steps"], s["dynamics_points"])
     base = ("--model_config", s["model_config"], "--dataset", "embedded", "--tokenizer", "embedded", "--packing",
             "--max_length", str(s["max_length"]), "--batch_size", str(s["batch_size"]), "--total_batch_size",
             str(s["batch_size"]), "--lr", "1e-3", "--warmup_steps", str(s["warmup"]), "--num_training_steps",
@@ -177,9 +178,9 @@ def run_specs(args, arms: list[Arm]) -> list[RunSpec]:
             "--device", args.device)
     specs = []
     for group in ("core", "precision", "norms", "rivals", "recent"):  # the core first: a partial study answers it first
-        seeds = s[SEED_KEYS[group]]
-        for seed in seeds:  # seed-major, so that the pairs of a seed finish together
-            for arm in (a for a in arms if a.group == group):
+        group_arms = [a for a in arms if a.group == group]
+        for seed in s[SEED_KEYS[group]] if group_arms else ():  # seed-major: the pairs of a seed finish together
+            for arm in group_arms:
                 extra = ("--post_num", str(max(1, num_layers // 4))) if arm.name == "post_pre" else ()
                 steps = dynamics if group == "core" else (s["steps"],)  # the dynamics: the core Pre-LN and LNS arms
                 specs.append(RunSpec(arm.name, seed, (*base, *arm.flags, *extra, "--dtype", arm.dtype), steps))
@@ -199,7 +200,7 @@ REMOVAL_CLAIM = "Removing a deep Pre-LN layer costs less than removing a deep LN
 
 
 def values(records, arm: str, measure: str, step: int | None = None) -> dict[int, float | None]:
-    return study_lib.by_seed(records, arm, measure, step)
+    return engine.by_seed(records, arm, measure, step)
 
 
 def one_shared_seed_documents(records, a: str, b: str) -> tuple[dict, dict] | None:
@@ -208,7 +209,7 @@ def one_shared_seed_documents(records, a: str, b: str) -> tuple[dict, dict] | No
     seeds = [s for s, v in a_losses.items() if v is not None and b_losses.get(s) is not None]
     if len(seeds) != 1:
         return None
-    found = [study_lib.document_measures(records[f"{arm}-seed{seeds[0]}"]) for arm in (a, b)]
+    found = [engine.document_measures(records[f"{arm}-seed{seeds[0]}"]) for arm in (a, b)]
     return None if None in found else (found[0], found[1])
 
 
@@ -304,7 +305,7 @@ def per_arm_table(records, arms: list[Arm], planned_seeds: dict[str, int] | None
 def plot_per_arm(records, arms: list[Arm], path: Path) -> Path:
     """Each arm's eval loss and deep-layer measures at its last checkpoint: a dot per seed, a bar (a tick for the loss)
     at the mean."""
-    plt = study_lib.pyplot()
+    plt = engine.pyplot()
     measures = [("eval_loss", "eval loss (nats/token)"), ("angular_deep", "deep d(l, l+1)"),
                 ("removal_deep", "deep removal cost (nats/word)"), ("jacobian_deep", "deep ‖J − I‖/√d")]
     fig, axes = plt.subplots(1, len(measures), figsize=(3.6 * len(measures), 0.9 + 0.32 * len(arms)), sharey=True)
@@ -412,11 +413,11 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
     suffix = s.get("report_suffix", "")  # an extension sharing the default's folder keeps its own figures
     figures = {}
     if core:
-        figures["dynamics"] = study_lib.plot_dynamics(records, core, out / f"dynamics{suffix}.png")
-        figures["profiles"] = study_lib.plot_layer_profiles(records, core, out / f"layer_profiles{suffix}.png")
+        figures["dynamics"] = engine.plot_dynamics(records, core, out / f"dynamics{suffix}.png")
+        figures["profiles"] = engine.plot_layer_profiles(records, core, out / f"layer_profiles{suffix}.png")
     sections = []
     all_verdicts = {}
-    fp32_label = study_lib.DTYPE_LABELS[args.dtype]
+    fp32_label = engine.DTYPE_LABELS[args.dtype]
     if {"pre", "lns"} <= present:
         found = pair_verdicts(records, "pre", "lns")
         all_verdicts[f"{fp32_label} (fp32 master weights)"] = found
@@ -448,9 +449,9 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
         sections.append("### Embedding init (std 0.02 against the uploaded reference code's 0.632)\n\n"
                         f"- {gap_ref.line()}\n- (with std 0.02, see the first verdict above)")
 
-    steps_info = study_lib.evenly_spaced_steps(s["steps"], s["dynamics_points"])
+    steps_info = engine.evenly_spaced_steps(s["steps"], s["dynamics_points"])
     tokens = s["steps"] * s["batch_size"] * s["max_length"]
-    train_tokens = study_lib.embedded_train_tokens()
+    train_tokens = engine.embedded_train_tokens()
     epochs = tokens / train_tokens
     speeds = [r["tokens_per_s_median"] for r in records.values() if r.get("tokens_per_s_median")]
     train_minutes = sum(r["train_seconds"] for r in records.values()) / 60
@@ -466,7 +467,7 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
     specs = run_specs(args, arms)
     expected = len(specs)
     reused = sum(r.get("reused") == "record" for r in records.values())
-    status = study_lib.run_status(records, expected, skipped)
+    status = engine.run_status(records, expected, skipped)
     unstarted = [arm for arm in budget_arms(args) if arm not in arms]
     if unstarted:  # a sitting with --arms: "complete" covers only the arms that have records
         unstarted_runs = len(run_specs(args, unstarted))
@@ -478,10 +479,10 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
     figure_lines = "\n\n".join(f"![{name}]({rel(path)})" for name, path in figures.items())
     text = f"""# CPU-scale study: does the curse of depth appear, and does LNS lift it?
 
-{study_lib.generated_by('utils/compare_norms.py', argv, args)}{study_lib.sitting_clause(argv, started, reused)}
+{engine.generated_by('utils/compare_norms.py', argv, args)}{engine.sitting_clause(argv, started, reused)}
 {status} The {len(records)} runs trained for {train_minutes:.0f} minutes and were analysed for
 {analysis_minutes:.0f} minutes ({len(timed)} runs timed), one thread each, {args.jobs} at a time: {run_minutes:.0f} run-minutes, by group
-{group_minutes}. {study_lib.wall_time_sentence(specs, records, args.jobs)}
+{group_minutes}. {engine.wall_time_sentence(specs, records, args.jobs)}
 
 ## Verdicts
 
@@ -528,8 +529,8 @@ arm's loss is lower than the reference's with an interval that excludes zero, **
   each layer in turn (layer_remove.py --sweep, {s['removal_documents']} documents); the norm gains.
 - **Speed**: median {statistics.median(speeds) if speeds else float('nan'):,.0f} tokens/s per run
   (one thread per run, {args.jobs} runs at a time, {'torch.compile' if args.compile else 'eager'}, {args.dtype}).
-- **Machine** of the runs: {study_lib.records_machines(records)}. This text was written on
-  {study_lib.machine_description()}; {study_lib.software_versions()}.
+- **Machine** of the runs: {engine.records_machines(records)}. This text was written on
+  {engine.machine_description()}; {engine.software_versions()}.
 
 ### Is the budget long enough, and not past overfitting?
 
@@ -546,7 +547,7 @@ Raw numbers: one JSON record per run in `runs/` (flags, eval curve, every analys
                                                              for k, vs in all_verdicts.items()},
                    runs=sorted(records), missing=[spec.name for spec in skipped],
                    arms_without_records=[arm.name for arm in unstarted])
-    return study_lib.write_report_files(out, text, summary, suffix)
+    return engine.write_report_files(out, text, summary, suffix)
 
 
 def main(argv=None) -> int:
@@ -555,7 +556,7 @@ def main(argv=None) -> int:
     started = time.time()
     arms = study_arms(args)
     specs = run_specs(args, arms)
-    records, skipped = study_lib.collect_records(args, specs)
+    records, skipped = engine.collect_records(args, specs)
     if args.arms:
         arms, records, skipped = with_saved_arms(args, arms, records, skipped)
     report = write_report(args, arms, records, skipped, started, argv)

@@ -9,7 +9,7 @@
     python utils/depth_sweep.py --report_only    # rewrite the report from the saved records
 
 Every depth uses the same width, data, tokens, schedule and seeds; only the number of layers changes. Each run is
-trained, then measured at three points through training with the repository's tools (utils/study_lib.py). For each
+trained, then measured at three points through training with the repository's tools (utils/engine.py). For each
 of the paper's depth predictions the report gives a verdict: the per-seed slope of the measure against ln L, with a
 95% interval over seeds. Finished runs leave records in `<out>/runs/`, reused by later invocations.
 
@@ -33,8 +33,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
-from utils import study_lib, verdicts  # noqa: E402
-from utils.study_lib import RunSpec  # noqa: E402
+from utils.study import engine, verdicts  # noqa: E402
+from utils.study.engine import RunSpec  # noqa: E402
 
 NORMS = {"pre": "Pre-LN", "lns": "LNS"}
 # Hidden 64 (head dim 16) keeps a 48-layer run near 20 minutes with its analyses on one core; 128 would make every
@@ -68,7 +68,7 @@ PREDICTIONS = [
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    study_lib.add_study_arguments(parser, BUDGETS)
+    engine.add_study_arguments(parser, BUDGETS)
     parser.add_argument("--depths", nargs="+", type=int, default=None, help="override the budget's depths")
     parser.add_argument("--overfit_probe", action="store_true",
                         help="also train the overfitting probe (one long LNS run at the deepest depth; about 80 "
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None):
     parser = build_parser()
-    args = study_lib.parse_study_args(parser, argv, BUDGETS, ("depths", "seeds"))
+    args = engine.parse_study_args(parser, argv, BUDGETS, ("depths", "seeds"))
     if any(d < 2 for d in args.settings["depths"]):
         parser.error(f"--depths: every depth must be at least 2, got {args.settings['depths']}")
     if len(set(args.settings["depths"])) < 2:
@@ -140,7 +140,7 @@ def train_flags(args, depth: int, steps: int, warmup: int, eval_every: int, conf
 
 def run_specs(args) -> list[RunSpec]:
     s = args.settings
-    dynamics = study_lib.evenly_spaced_steps(s["steps"], s["dynamics_points"])
+    dynamics = engine.evenly_spaced_steps(s["steps"], s["dynamics_points"])
     specs = []
     for seed in s["seeds"]:
         for depth in s["depths"]:
@@ -165,9 +165,9 @@ def collect_probe(args) -> dict | None:
     """The probe's record: trained with --overfit_probe (unless --report_only), otherwise read back if present."""
     spec = probe_spec(args)
     if args.overfit_probe:  # collect_records only reads records back under --report_only
-        records, _ = study_lib.collect_records(args, [spec])
+        records, _ = engine.collect_records(args, [spec])
     else:
-        records = study_lib.saved_records(args, [spec])
+        records = engine.saved_records(args, [spec])
     return records.get(spec.name)
 
 
@@ -200,7 +200,7 @@ def train_loss_between_evals(probe: dict) -> list[float | None]:
 # ------------------------------------------------------------------------------------------------------ statistics
 def measure_by_value(axis: Axis, records, norm: str, measure: str) -> dict[int, dict[int, float | None]]:
     """{value: {seed: value of the measure}} at each run's last analysed checkpoint."""
-    return {v: study_lib.by_seed(records, axis.arm(v, norm), measure) for v in axis.values}
+    return {v: engine.by_seed(records, axis.arm(v, norm), measure) for v in axis.values}
 
 
 def slope_by_seed(table: dict[int, dict[int, float | None]], log_values: bool) -> dict[int, float | None]:
@@ -233,8 +233,8 @@ def paired_differences(axis: Axis, records, measure: str, log_ratio: bool = Fals
     """{value: {seed: LNS − Pre-LN}} (or ln(LNS / Pre-LN)) of a measure, for the seeds where both runs have it."""
     table = {}
     for value in axis.values:
-        pre = study_lib.by_seed(records, axis.arm(value, "pre"), measure)
-        lns = study_lib.by_seed(records, axis.arm(value, "lns"), measure)
+        pre = engine.by_seed(records, axis.arm(value, "pre"), measure)
+        lns = engine.by_seed(records, axis.arm(value, "lns"), measure)
         table[value] = {seed: (math.log(lns[seed] / pre[seed]) if log_ratio else lns[seed] - pre[seed])
                         for seed in pre if pre[seed] is not None and lns.get(seed) is not None
                         and (not log_ratio or min(pre[seed], lns[seed]) > 0)}
@@ -252,17 +252,17 @@ def depth_verdicts(args, records) -> list[verdicts.Verdict]:
 
 def gap_verdicts(axis: Axis, records) -> list[verdicts.Verdict]:
     return [verdicts.judge_seeds(f"{axis.symbol}={value}: LNS reaches a lower eval loss than Pre-LN (LNS − Pre-LN)",
-                                 -1, study_lib.by_seed(records, axis.arm(value, "pre"), "eval_loss"),
-                                 study_lib.by_seed(records, axis.arm(value, "lns"), "eval_loss"), ("Pre-LN", "LNS"))
+                                 -1, engine.by_seed(records, axis.arm(value, "pre"), "eval_loss"),
+                                 engine.by_seed(records, axis.arm(value, "lns"), "eval_loss"), ("Pre-LN", "LNS"))
             for value in axis.values]
 
 
 # ------------------------------------------------------------------------------------------------------ plots
 def plot_against(axis: Axis, records, path: Path) -> Path:
     """Every measure at the last checkpoint against the swept value, one line per norm type."""
-    plt = study_lib.pyplot()
+    plt = engine.pyplot()
     depths = axis.values
-    measures = list(study_lib.MEASURES)
+    measures = list(engine.MEASURES)
     fig, axes = plt.subplots(2, math.ceil(len(measures) / 2), figsize=(4.4 * math.ceil(len(measures) / 2), 7),
                              squeeze=False)
     for ax, measure in zip(axes.flat, measures):
@@ -281,11 +281,11 @@ def plot_against(axis: Axis, records, path: Path) -> Path:
         if measure == "variance_growth":
             ax.set_yscale("log")  # Pre-LN's growth spans orders of magnitude across depths
         ax.set_xticks(depths, [str(d) for d in depths])
-        ax.set_title(study_lib.MEASURES[measure] + (" (log scale)" if measure == "variance_growth" else ""),
+        ax.set_title(engine.MEASURES[measure] + (" (log scale)" if measure == "variance_growth" else ""),
                      fontsize=9)
         ax.set_xlabel(axis.label)
         ax.grid(alpha=0.3)
-    return study_lib.finish_grid(fig, axes, len(measures),
+    return engine.finish_grid(fig, axes, len(measures),
                                  f"Final checkpoint against {axis.noun} (mean over seeds, 95% t-interval)", path)
 
 
@@ -293,7 +293,7 @@ def plot_gap(gaps: list[verdicts.Verdict], depths, path: Path, xlabel: str = "la
              ylabel: str = "LNS − Pre-LN eval loss (nats)",
              title: str = "LNS's loss gap against {noun} (below 0: LNS better)") -> Path:
     """One verdict per swept value (its effect and interval) against the value."""
-    plt = study_lib.pyplot()
+    plt = engine.pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     points = [(d, v) for d, v in zip(depths, gaps) if v.effect is not None]  # a depth with < 2 pairs has no interval
     if points:
@@ -313,7 +313,7 @@ def plot_gap(gaps: list[verdicts.Verdict], depths, path: Path, xlabel: str = "la
 
 
 def plot_probe(probe: dict, budget_steps: int, path: Path) -> Path:
-    plt = study_lib.pyplot()
+    plt = engine.pyplot()
     point = overfit_point(probe)
     fig, ax = plt.subplots(figsize=(6, 3.8))
     train = np.array(probe["train_curve"], dtype=float)
@@ -353,7 +353,7 @@ def probe_section(args, probe: dict | None, out: Path, suffix: str) -> tuple[str
              + "\n| train loss, mean since the eval before | "
              + " | ".join("n/a" if t is None else f"{t:.3f}" for t in train) + " |")
     tokens_to_best = point["best_step"] * s["batch_size"] * s["max_length"]
-    tokens, epochs = tokens_to_best / 1e6, tokens_to_best / study_lib.embedded_train_tokens()
+    tokens, epochs = tokens_to_best / 1e6, tokens_to_best / engine.embedded_train_tokens()
     if point["overfits"]:
         found = (f"The eval loss is lowest at step **{point['best_step']:,}** ({point['best_loss']:.3f} nats, "
                  f"{tokens:.1f} M tokens, {epochs:.1f} epochs) and rises by {point['rise_after_best']:.3f} nats "
@@ -397,15 +397,15 @@ def measures_table(axis: Axis, records) -> str:
             if not arm_records:
                 continue
             cells = [str(value), label, f"{len(arm_records)}"]
-            for measure in study_lib.MEASURES:
-                vals = [v for v in study_lib.by_seed(records, axis.arm(value, norm), measure).values()
+            for measure in engine.MEASURES:
+                vals = [v for v in engine.by_seed(records, axis.arm(value, norm), measure).values()
                         if v is not None]
                 cells.append(f"{np.mean(vals):.4f}" if vals else "n/a")
             best = [min(r["eval_curve"], key=lambda p: p[1])[0] for r in arm_records if r["eval_curve"]]
             cells.append(", ".join(map(str, best)))
             rows.append("| " + " | ".join(cells) + " |")
-    header = (f"| {axis.symbol} | norm | runs | " + " | ".join(study_lib.MEASURES.values())
-              + " | step of lowest eval loss |\n|" + "---|" * (len(study_lib.MEASURES) + 4))
+    header = (f"| {axis.symbol} | norm | runs | " + " | ".join(engine.MEASURES.values())
+              + " | step of lowest eval loss |\n|" + "---|" * (len(engine.MEASURES) + 4))
     return "\n".join([header, *rows])
 
 
@@ -424,23 +424,23 @@ def write_report(args, records, skipped, started, argv, probe: dict | None = Non
     dynamics = {}
     for depth in (depths[0], depths[-1]):
         arms = {f"L{depth}-{n}": f"{label}, L={depth}" for n, label in NORMS.items()}
-        dynamics[depth] = study_lib.plot_dynamics(records, arms, out / f"dynamics_L{depth}{suffix}.png")
+        dynamics[depth] = engine.plot_dynamics(records, arms, out / f"dynamics_L{depth}{suffix}.png")
 
     tokens = s["steps"] * s["batch_size"] * s["max_length"]
-    train_tokens = study_lib.embedded_train_tokens()
+    train_tokens = engine.embedded_train_tokens()
     specs = run_specs(args)
-    status = study_lib.run_status(records, len(specs), skipped)
+    status = engine.run_status(records, len(specs), skipped)
     reused = sum(r.get("reused") == "record" for r in records.values())
-    machines = study_lib.records_machines({**records, "probe": probe} if probe else records)
+    machines = engine.records_machines({**records, "probe": probe} if probe else records)
     speeds = {d: [r["tokens_per_s_median"] for r in records.values()
                   if r["arm"].startswith(f"L{d}-") and r.get("tokens_per_s_median")] for d in depths}
     config = json.loads((REPO / BASE_CONFIG).read_text())
     rel = lambda p: Path(p).resolve().relative_to(out.resolve())  # noqa: E731
     text = f"""# Depth sweep: Pre-LN against LNS at L = {', '.join(map(str, depths))}
 
-{study_lib.generated_by('utils/depth_sweep.py', argv, args)}{study_lib.sitting_clause(argv, started, reused)}
+{engine.generated_by('utils/depth_sweep.py', argv, args)}{engine.sitting_clause(argv, started, reused)}
 {status} The runs trained for {sum(r['train_seconds'] for r in records.values()) / 60:.0f} minutes in total.
-{study_lib.wall_time_sentence(specs, records, args.jobs)}
+{engine.wall_time_sentence(specs, records, args.jobs)}
 
 ## The paper's depth predictions
 
@@ -462,7 +462,7 @@ contains zero; **opposite** means it excludes zero the other way.
 
 {measures_table(axis, records)}
 
-"Cheap to remove": removing the layer raises held-out perplexity by less than 1% (ln ratio < {study_lib.CHEAP_REMOVAL_NATS:.5f}).
+"Cheap to remove": removing the layer raises held-out perplexity by less than 1% (ln ratio < {engine.CHEAP_REMOVAL_NATS:.5f}).
 Deep = the deeper half of the layers.
 
 ## Where the corpus overfits at the deepest setting
@@ -479,13 +479,13 @@ Deep = the deeper half of the layers.
   {config['num_attention_heads']} heads, vocab {config['vocab_size']}) with L layers; nothing else changes with L.
 - **Budget**: {s['steps']} updates × {s['batch_size']} × {s['max_length']} packed tokens = {tokens / 1e6:.2f} M tokens per
   run at every depth, {tokens / train_tokens:.2f} epochs over the {train_tokens:,}-token training split; Adam, lr 1e-3,
-  {s['warmup']} warmup steps then cosine to 10%, clipping 1.0, {study_lib.DTYPE_LABELS[args.dtype]} (`--dtype {args.dtype}`, see docs/study.md).
+  {s['warmup']} warmup steps then cosine to 10%, clipping 1.0, {engine.DTYPE_LABELS[args.dtype]} (`--dtype {args.dtype}`, see docs/study.md).
   The budget was chosen for time (four depths, three seeds, two hours), then checked against the corpus's
   overfitting point at the deepest setting, measured by the overfitting probe above; the table's last column gives
   the step of each sweep run's lowest eval loss (a run still improving has it at its last eval). For scale, the
   reference run quoted in issue 16 (24 layers, hidden 128, the same 16 × 128 batches) began to overfit after about
   2,250 steps.
-- **Instruments** at steps {', '.join(map(str, study_lib.evenly_spaced_steps(s['steps'], s['dynamics_points'])))}, inside
+- **Instruments** at steps {', '.join(map(str, engine.evenly_spaced_steps(s['steps'], s['dynamics_points'])))}, inside
   the trained context of {s['max_length']} tokens: variance and angular distance over {s['stream_tokens']:,} held-out
   tokens, block Jacobians at {s['jacobian_tokens']} tokens ({'exact' if not s['jacobian_probes'] else
   f"{s['jacobian_probes']} random probes per token"}), one-layer removal on {s['removal_documents']}
@@ -493,21 +493,21 @@ Deep = the deeper half of the layers.
 - **Seeds**: {', '.join(map(str, s['seeds']))}, paired across norm types and depths.
 - **Speed** (median tokens/s per run, one thread, {'torch.compile' if args.compile else 'eager'}, {args.dtype}): {', '.join(f"L={d}: {np.median(v):,.0f}" for d, v in speeds.items() if v)}.
 - **Machine** of the runs: {machines}. This text was written on
-  {study_lib.machine_description()}; {study_lib.software_versions()}.
+  {engine.machine_description()}; {engine.software_versions()}.
 
 Raw numbers: one JSON record per run in `runs/`, and `summary{suffix}.json`.
 """
     summary = dict(budget=args.budget, settings=s, predictions=[v.as_dict() for v in predictions],
                    gaps=[v.as_dict() for v in gaps], overfit_probe=probe_summary, runs=sorted(records),
                    missing=[spec.name for spec in skipped])
-    return study_lib.write_report_files(out, text, summary, suffix)
+    return engine.write_report_files(out, text, summary, suffix)
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     started = time.time()
-    records, skipped = study_lib.collect_records(args, run_specs(args))
+    records, skipped = engine.collect_records(args, run_specs(args))
     probe = collect_probe(args)
     report = write_report(args, records, skipped, started, argv, probe)
     print(f"report: {report}")

@@ -35,9 +35,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
-from utils import compare_norms, depth_sweep, study_lib, verdicts  # noqa: E402
+from utils import compare_norms, depth_sweep  # noqa: E402
 from utils.depth_sweep import NORMS, Axis  # noqa: E402
-from utils.study_lib import RunSpec  # noqa: E402
+from utils.study import engine, verdicts  # noqa: E402
+from utils.study.engine import RunSpec  # noqa: E402
 
 # The depth sweep's budget and instruments (400 updates of 16 x 128 packed tokens, lr 1e-3, analyses at 200, 300 and
 # 400), at 24 layers. On the project's 2-core CPU (mixed precision, compiled) the runs take about 5 (hidden 64), 7
@@ -69,7 +70,7 @@ IDENTITY = "jacobian_deep"  # the question's measure: the deep blocks' distance 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    study_lib.add_study_arguments(parser, BUDGETS, budget_help=(
+    engine.add_study_arguments(parser, BUDGETS, budget_help=(
         "default: hidden 64, 128, 256 (about 2 hours on a 2-core CPU); gpu: adds 512, 768 and 1024 and is meant "
         "for one GPU (--budget gpu --device cuda --jobs 6: 36 runs, meant to fit in about 8 minutes on one H100; "
         "their training took about 5 minutes there, the analyses are not yet timed, so give it --max_hours and "
@@ -85,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None):
-    args = study_lib.parse_study_args(parser := build_parser(), argv, BUDGETS, ("widths", "seeds"))
+    args = engine.parse_study_args(parser := build_parser(), argv, BUDGETS, ("widths", "seeds"))
     s = args.settings
     if args.depth is not None:
         if args.depth < 2:
@@ -129,7 +130,7 @@ def parameters(args, width: int) -> tuple[int, int]:
 def run_specs(args) -> list[RunSpec]:
     s = args.settings
     axis = width_axis(args)
-    dynamics = study_lib.evenly_spaced_steps(s["steps"], s["dynamics_points"])
+    dynamics = engine.evenly_spaced_steps(s["steps"], s["dynamics_points"])
     specs = []
     for width in axis.values:  # width-major: a sweep stopped early has whole widths
         changes = width_config(args, width)
@@ -181,7 +182,7 @@ def measure_slopes_table(axis: Axis, records) -> str:
     """Per measure and norm type, the mean per-seed slope against ln(width) with its 95% interval (descriptive:
     the paper makes no width prediction)."""
     rows = [f"| measure | Pre-LN: slope vs ln {axis.symbol} | LNS: slope vs ln {axis.symbol} |", "|---|---|---|"]
-    for measure, title in study_lib.MEASURES.items():
+    for measure, title in engine.MEASURES.items():
         log_values = measure == "variance_growth"
         cells = [interval_text(list(depth_sweep.slope_by_seed(
             depth_sweep.measure_by_value(axis, records, norm, measure), log_values).values())) for norm in NORMS]
@@ -236,15 +237,15 @@ def write_csv(axis: Axis, records, path: Path) -> Path:
     with path.open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["width", "norm", "seed", "status", "device", "train_seconds", "analysis_seconds",
-                         *study_lib.MEASURES])
+                         *engine.MEASURES])
         for width in axis.values:
             for norm in NORMS:
                 for record in sorted((r for r in records.values() if r["arm"] == axis.arm(width, norm)),
                                      key=lambda r: r["seed"]):
-                    measures = study_lib.measures_at(record) if record["status"] == "finished" else {}
-                    writer.writerow([width, norm, record["seed"], record["status"], study_lib.record_device(record),
+                    measures = engine.measures_at(record) if record["status"] == "finished" else {}
+                    writer.writerow([width, norm, record["seed"], record["status"], engine.record_device(record),
                                      record.get("train_seconds"), record.get("analysis_seconds"),
-                                     *(study_lib.finite_or_none(measures.get(m)) for m in study_lib.MEASURES)])
+                                     *(engine.finite_or_none(measures.get(m)) for m in engine.MEASURES)])
     return path
 
 
@@ -266,21 +267,21 @@ def write_report(args, records, skipped, started, argv) -> Path:
     loss_png = depth_sweep.plot_gap([at_width[w][index["eval_loss"]] for w in widths], widths,
                                     out / f"loss_gap_vs_width{suffix}.png", axis.label, "width")
     by_width_png = depth_sweep.plot_against(axis, records, out / f"measures_vs_width{suffix}.png")
-    dynamics = {w: study_lib.plot_dynamics(records, {axis.arm(w, n): f"{label}, d={w}" for n, label in NORMS.items()},
+    dynamics = {w: engine.plot_dynamics(records, {axis.arm(w, n): f"{label}, d={w}" for n, label in NORMS.items()},
                                            out / f"dynamics_W{w}_L{s['depth']}{suffix}.png")
                 for w in (widths[0], widths[-1])}
     csv_path = write_csv(axis, records, out / f"measures{suffix}.csv")
 
     specs = run_specs(args)
-    status = study_lib.run_status(records, len(specs), skipped)
+    status = engine.run_status(records, len(specs), skipped)
     reused = sum(r.get("reused") == "record" for r in records.values())
     at = {w: [r for r in records.values() if r["arm"] in (axis.arm(w, "pre"), axis.arm(w, "lns"))] for w in widths}
-    run_minutes = {w: [study_lib.run_seconds(r) / 60 for r in at[w] if study_lib.run_seconds(r) is not None]
+    run_minutes = {w: [engine.run_seconds(r) / 60 for r in at[w] if engine.run_seconds(r) is not None]
                    for w in widths}
     speeds = {w: [r["tokens_per_s_median"] for r in at[w] if r.get("tokens_per_s_median")] for w in widths}
-    devices = sorted({study_lib.record_device(r) for r in records.values()}) or [args.device]
+    devices = sorted({engine.record_device(r) for r in records.values()}) or [args.device]
     tokens = s["steps"] * s["batch_size"] * s["max_length"]
-    train_tokens = study_lib.embedded_train_tokens()
+    train_tokens = engine.embedded_train_tokens()
     config_rows = "\n".join(
         f"| {w} | {width_config(args, w)['num_attention_heads']} | {s['head_dim']} | "
         f"{width_config(args, w)['intermediate_size']} | {parameters(args, w)[0] / 1e6:.2f} M | "
@@ -291,10 +292,10 @@ def write_report(args, records, skipped, started, argv) -> Path:
     cpu_minutes = sum(m for v in run_minutes.values() for m in v)
     text = f"""# Width sweep: Pre-LN against LNS at d = {', '.join(map(str, widths))}, L = {s['depth']}
 
-{study_lib.generated_by('utils/width_sweep.py', argv, args)}{study_lib.sitting_clause(argv, started, reused)}
+{engine.generated_by('utils/width_sweep.py', argv, args)}{engine.sitting_clause(argv, started, reused)}
 {status} The runs took {cpu_minutes:.0f} run-minutes in all (training and analyses, each run on one
 {'thread' if devices == ['cpu'] else 'device'}; device: {', '.join(devices)}).
-{study_lib.wall_time_sentence(specs, records, args.jobs)}
+{engine.wall_time_sentence(specs, records, args.jobs)}
 
 ## Does LNS's deep-block identity gap survive width?
 
@@ -327,7 +328,7 @@ the variance growth is fitted on its log).
 
 {depth_sweep.measures_table(axis, records)}
 
-"Cheap to remove": removing the layer raises held-out perplexity by less than 1% (ln ratio < {study_lib.CHEAP_REMOVAL_NATS:.5f}).
+"Cheap to remove": removing the layer raises held-out perplexity by less than 1% (ln ratio < {engine.CHEAP_REMOVAL_NATS:.5f}).
 Deep = the deeper half of the layers. Per run: `{csv_path.name}`.
 
 ## Dynamics at the narrowest and the widest setting
@@ -347,15 +348,15 @@ Deep = the deeper half of the layers. Per run: `{csv_path.name}`.
   {tokens / 1e6:.2f} M tokens per run at every width, {tokens / train_tokens:.2f} epochs over the {train_tokens:,}-token
   training split; Adam, **one learning rate, 1e-3, at every width** (no µP-style per-width rate: a wider model may
   be further from its best rate, which the report does not correct for), {s['warmup']} warmup steps then cosine to
-  10%, clipping 1.0, {study_lib.DTYPE_LABELS[args.dtype]} (`--dtype {args.dtype}`), {'compiled' if args.compile else 'eager'}.
-- **Instruments** at steps {', '.join(map(str, study_lib.evenly_spaced_steps(s['steps'], s['dynamics_points'])))}, inside
+  10%, clipping 1.0, {engine.DTYPE_LABELS[args.dtype]} (`--dtype {args.dtype}`), {'compiled' if args.compile else 'eager'}.
+- **Instruments** at steps {', '.join(map(str, engine.evenly_spaced_steps(s['steps'], s['dynamics_points'])))}, inside
   the trained context of {s['max_length']} tokens: variance and angular distance over {s['stream_tokens']:,} held-out
   tokens, block Jacobians at {s['jacobian_tokens']} tokens ({'exact' if not s['jacobian_probes'] else
   f"{s['jacobian_probes']} random probes per token"}; ‖J − I‖_F/√d is normalised by the width), one-layer removal
   on {s['removal_documents']} held-out documents.
 - **Seeds**: {', '.join(map(str, s['seeds']))}, paired across norm types and widths.
-- **Machine** of the runs: {study_lib.records_machines(records)}. This text was written on
-  {study_lib.machine_description()}; {study_lib.software_versions()}.
+- **Machine** of the runs: {engine.records_machines(records)}. This text was written on
+  {engine.machine_description()}; {engine.software_versions()}.
 
 Raw numbers: one JSON record per run in `runs/`, `{csv_path.name}` and `summary{suffix}.json`.
 """
@@ -363,13 +364,13 @@ Raw numbers: one JSON record per run in `runs/`, `{csv_path.name}` and `summary{
                    at_width={str(w): [v.as_dict() for v in found] for w, found in at_width.items()},
                    slopes=[v.as_dict() for v in slopes], identity_ratio_slope=ratio.as_dict(),
                    run_minutes=round(cpu_minutes, 1), runs=sorted(records), missing=[spec.name for spec in skipped])
-    return study_lib.write_report_files(out, text, summary, suffix)
+    return engine.write_report_files(out, text, summary, suffix)
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args, started = parse_args(argv), time.time()
-    print(f"report: {write_report(args, *study_lib.collect_records(args, run_specs(args)), started, argv)}")
+    print(f"report: {write_report(args, *engine.collect_records(args, run_specs(args)), started, argv)}")
     return 0
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DTYPE_LABELS = {"float32": "float32", "mixed": "mixed precision"}  # the studies' --dtype, as reports name it
 DEVICES = ("cpu", "cuda")  # the studies' --device
 # checkpoints of a run that keep their training state: older ones keep only the weights the analyses read (a third)
@@ -590,7 +590,7 @@ def analyse_checkpoint(checkpoint: Path, settings: AnalysisSettings, out_dir: Pa
 
 
 def _analyse_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="study_lib.py analyse")  # internal: called by run_job
+    parser = argparse.ArgumentParser(prog="engine.py analyse")  # internal: called by run_job
     parser.add_argument("--run_dir", required=True)
     parser.add_argument("--steps", type=int, nargs="+", required=True)
     parser.add_argument("--settings", required=True)
@@ -831,4 +831,4 @@ def embedded_train_tokens() -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "analyse":
         sys.exit(_analyse_main(sys.argv[2:]))
-    raise SystemExit("usage: study_lib.py analyse --run_dir DIR --steps N [N ...] --settings JSON --out_json PATH")
+    raise SystemExit("usage: engine.py analyse --run_dir DIR --steps N [N ...] --settings JSON --out_json PATH")
