@@ -330,7 +330,8 @@ def test_depth_sweep_quick_end_to_end_then_reuses_every_record(tmp_path):
     assert depth_sweep.main(["--quick", *float32_eager, "--overfit_probe", "--out", str(out), "--runs_dir",
                              str(runs)]) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert len(summary["runs"]) == 8 and not summary["missing"]  # 2 depths x 2 norms x 2 seeds
+    assert len(summary["runs"]) == 12 and not summary["missing"]  # 2 depths x 2 norms x 2 seeds, GPAS and BHyT at L4
+    assert len(summary["rivals"]) == 2 * 3 and "## GPAS and BHyT at L = 4" in (out / "report.md").read_text()
     probe = summary["overfit_probe"]  # the probe: L4 (the deepest), eval every 2 of 8 updates
     assert probe["arm"] == "overfit-L4-lns" and [step for step, _ in probe["eval_curve"]] == [2, 4, 6, 8]
     assert (out / "overfit_probe.png").stat().st_size > 1000
@@ -342,7 +343,7 @@ def test_depth_sweep_quick_end_to_end_then_reuses_every_record(tmp_path):
         assert (out / png).stat().st_size > 1000
     record = json.loads(next((out / "runs").glob("L4-lns-seed1.json")).read_text())
     assert record["machine"] == engine.machine_description()
-    assert f"**Machine** of the runs: {record['machine']} (9 runs)." in report  # the probe too
+    assert f"**Machine** of the runs: {record['machine']} (13 runs)." in report  # the probe too
     analysed = record["analyses"][max(record["analyses"], key=int)]
     assert len(analysed["jacobian_rel_identity_dev"]) == 4 and len(analysed["removal_nats"]) == 4
     assert len(analysed["removal_document_nats"]) == 2 and len(analysed["removal_document_costs"]) == 4  # 2 documents
@@ -352,14 +353,14 @@ def test_depth_sweep_quick_end_to_end_then_reuses_every_record(tmp_path):
     assert depth_sweep.main(["--quick", *float32_eager, "--out", str(out), "--runs_dir", str(runs)]) == 0
     assert not (runs / "logs").exists()
     report = (out / "report.md").read_text()
-    assert "reused 8 records" in report and "| step | 2 | 4 | 6 | 8 |" in report  # the probe's record too
+    assert "reused 12 records" in report and "| step | 2 | 4 | 6 | 8 |" in report  # the probe's record too
     assert "--dtype float32 --no-compile" in report  # the command, as given
     # The float32 records do not stand in for mixed-precision runs: a mixed report finds none of them.
     # Same report folder, so the float32 records are there to be (wrongly) matched.
     assert depth_sweep.main(["--quick", "--dtype", "mixed", "--no-compile", "--report_only", "--out", str(out),
                              "--runs_dir", str(runs)]) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert not summary["runs"] and len(summary["missing"]) == 8
+    assert not summary["runs"] and len(summary["missing"]) == 12
 
 
 def test_max_hours_is_one_deadline_for_the_sweep_and_its_probe(tmp_path, monkeypatch):
@@ -603,3 +604,38 @@ def test_jobs_are_lowered_until_the_runs_in_flight_fit_on_the_disk(tmp_path, mon
     monkeypatch.setattr(engine.shutil, "disk_usage", lambda path: usage._replace(free=100 * largest))
     assert engine.jobs_the_disk_holds([narrow, spec], 6, tmp_path) == 6
     assert capsys.readouterr().out == ""
+
+
+def test_depth_sweep_rivals_train_at_their_depths_and_are_judged_against_pre_ln_and_lns(tmp_path):
+    """GPAS and BHyT (issue 39) join the depth sweep at L = 24 and 48 only, after every Pre-LN and LNS run; the
+    verdicts pair them by seed with Pre-LN and LNS in eval loss, and with Pre-LN in the deep blocks' identity gap."""
+    args = depth_sweep.parse_args(["--budget", "rivals", "--out", str(tmp_path / "report"),
+                                   "--runs_dir", str(tmp_path / "runs")])
+    arms = [spec.arm for spec in depth_sweep.run_specs(args)]
+    assert sorted({arm for arm in arms if not arm.endswith(("-pre", "-lns"))}) == \
+        ["L24-bhyt", "L24-gpas", "L48-bhyt", "L48-gpas"]
+    assert arms.index("L24-gpas") > max(i for i, arm in enumerate(arms) if arm.endswith(("-pre", "-lns")))
+    default = depth_sweep.parse_args(["--out", str(tmp_path / "report"), "--runs_dir", str(tmp_path / "runs")])
+    assert all(arm.endswith(("-pre", "-lns")) for arm in (s.arm for s in depth_sweep.run_specs(default)))
+
+    def record(arm, seed, loss, deep_gap):
+        analysis = dict(crafted_analysis(), jacobian_rel_identity_dev=[0.5] * 4 + [deep_gap] * 4)
+        return dict(arm=arm, seed=seed, status="finished", final_eval_loss=loss, eval_curve=[[4, loss]],
+                    analyses={"4": analysis})
+
+    records = {}
+    for seed in (1, 2, 3):
+        for arm, loss, gap in (("pre", 5.0, 0.10), ("lns", 4.9, 0.08), ("gpas", 4.8, 0.20), ("bhyt", 5.2, 0.10)):
+            for depth in (24, 48):
+                records[f"L{depth}-{arm}-seed{seed}"] = record(f"L{depth}-{arm}", seed, loss + 0.01 * seed,
+                                                               gap + 0.001 * seed * (arm == "gpas"))
+    found = {v.claim: v for v in depth_sweep.rival_verdicts(args, records)}
+    assert len(found) == 2 * 2 * 3
+    gpas_loss = found["L=48: GPAS reaches a lower eval loss than Pre-LN (GPAS − Pre-LN)"]
+    assert gpas_loss.effect == pytest.approx(-0.2) and gpas_loss.status == verdicts.REPRODUCED
+    bhyt_loss = found["L=24: BHyT reaches a lower eval loss than LNS (BHyT − LNS)"]
+    assert bhyt_loss.effect == pytest.approx(0.3) and bhyt_loss.status == verdicts.OPPOSITE
+    gpas_identity = next(v for claim, v in found.items() if claim.startswith("L=24: GPAS's deep blocks"))
+    assert gpas_identity.effect == pytest.approx(0.102) and gpas_identity.status == verdicts.REPRODUCED
+    assert "## GPAS and BHyT at L = 24, 48" in depth_sweep.rivals_section(list(found.values()), args)
+    assert depth_sweep.rival_verdicts(default, records) == []

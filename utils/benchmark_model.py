@@ -410,7 +410,7 @@ def run_side_by_side(args, out_dirs: list[Path], threads: int) -> dict:
 
 
 def layout_section(args) -> list[dict]:
-    """How the study should share the cores among its runs (utils/engine.py runs --jobs runs of one thread each).
+    """How the study should share the cores among its runs (utils/study/engine.py runs --jobs runs of one thread each).
 
     `--layout_cores` runs side by side with one thread each, against the same runs one after another with
     `--layout_cores` threads each. The figure is the machine's total training throughput: the sum of the

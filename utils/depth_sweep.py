@@ -4,12 +4,13 @@
     python utils/depth_sweep.py --dtype float32 --no-compile  # the committed float32 records in docs/depth_sweep/
     python utils/depth_sweep.py --budget deep    # adds L=96 to the default's records (resumes across invocations)
     python utils/depth_sweep.py --budget long    # 3x the tokens per run (resumes across invocations)
+    python utils/depth_sweep.py --budget rivals  # adds GPAS and BHyT at L=24 and 48 to the default's records
     python utils/depth_sweep.py --overfit_probe  # also find where the corpus overfits at the deepest depth
     python utils/depth_sweep.py --quick          # smoke test (CI)
     python utils/depth_sweep.py --report_only    # rewrite the report from the saved records
 
 Every depth uses the same width, data, tokens, schedule and seeds; only the number of layers changes. Each run is
-trained, then measured at three points through training with the repository's tools (utils/engine.py). For each
+trained, then measured at three points through training with the repository's tools (utils/study/engine.py). For each
 of the paper's depth predictions the report gives a verdict: the per-seed slope of the measure against ln L, with a
 95% interval over seeds. Finished runs leave records in `<out>/runs/`, reused by later invocations.
 
@@ -37,6 +38,9 @@ from utils.study import engine, verdicts  # noqa: E402
 from utils.study.engine import RunSpec  # noqa: E402
 
 NORMS = {"pre": "Pre-LN", "lns": "LNS"}
+# Fixes published since the paper (issue 39), trained at a budget's rival_depths only (`--budget rivals`)
+RIVAL_NORMS = {"gpas": "GPAS", "bhyt": "BHyT"}
+NORM_LABELS = {**NORMS, **RIVAL_NORMS}
 # Hidden 64 (head dim 16) keeps a 48-layer run near 20 minutes with its analyses on one core; 128 would make every
 # run about four times dearer. Measured per run (train + analyses, two runs side by side; mean of the records in
 # docs/depth_sweep/runs): L=6 4.5, L=12 6.5, L=24 9.2, L=48 16.5 run-minutes, so L=96 takes about 35: the four
@@ -50,11 +54,13 @@ BUDGETS = {
                     # the overfitting probe: LNS (the placement that reaches the lower loss) at the deepest depth
                     probe_norm="lns", probe_seed=1, probe_steps=3000, probe_warmup=300, probe_eval_every=250),
     "deep": dict(depths=(6, 12, 24, 48, 96), report_suffix="_deep"),
+    # GPAS and BHyT beside the default's Pre-LN and LNS at L = 24 and 48 (same records folder)
+    "rivals": dict(rival_norms=tuple(RIVAL_NORMS), rival_depths=(24, 48), report_suffix="_rivals"),
     "long": dict(steps=1200, warmup=120, out="docs/depth_sweep_long", runs_dir="runs/depth_sweep_long"),
     "quick": dict(depths=(2, 4), steps=4, warmup=1, batch_size=4, max_length=64, eval_tokens=512, seeds=(1, 2),
                   dynamics_points=2, stream_tokens=256, jacobian_tokens=2, jacobian_probes=0, removal_documents=2,
                   out="runs/depth_sweep_quick/report", runs_dir="runs/depth_sweep_quick", probe_steps=8,
-                  probe_warmup=1, probe_eval_every=2),
+                  probe_warmup=1, probe_eval_every=2, rival_norms=tuple(RIVAL_NORMS), rival_depths=(4,)),
 }
 PREDICTIONS = [
     # (the paper's prediction, norm type, measure, expected sign of d(measure)/d(ln L), log-transform the measure)
@@ -141,12 +147,14 @@ def train_flags(args, depth: int, steps: int, warmup: int, eval_every: int, conf
 def run_specs(args) -> list[RunSpec]:
     s = args.settings
     dynamics = engine.evenly_spaced_steps(s["steps"], s["dynamics_points"])
+    rival_depths = [depth for depth in s.get("rival_depths", ()) if depth in s["depths"]]
     specs = []
-    for seed in s["seeds"]:
-        for depth in s["depths"]:
-            base = train_flags(args, depth, s["steps"], s["warmup"], dynamics[0])
-            for norm in NORMS:
-                specs.append(RunSpec(f"L{depth}-{norm}", seed, (*base, "--norm_type", norm), dynamics))
+    for norms, depths in ((NORMS, s["depths"]), (s.get("rival_norms", ()), rival_depths)):  # Pre-LN and LNS first
+        for seed in s["seeds"]:
+            for depth in depths:
+                base = train_flags(args, depth, s["steps"], s["warmup"], dynamics[0])
+                for norm in norms:
+                    specs.append(RunSpec(f"L{depth}-{norm}", seed, (*base, "--norm_type", norm), dynamics))
     return specs
 
 
@@ -257,6 +265,35 @@ def gap_verdicts(axis: Axis, records) -> list[verdicts.Verdict]:
             for value in axis.values]
 
 
+def rival_verdicts(args, records) -> list[verdicts.Verdict]:
+    """At each rival depth, each rival against Pre-LN and LNS in eval loss, and against Pre-LN in how far its deep
+    blocks stay from the identity (the fixes' claim: farther than Pre-LN's), paired by seed."""
+    s, axis = args.settings, depth_axis(args)
+    found = []
+    for depth in (d for d in s.get("rival_depths", ()) if d in s["depths"]):
+        for norm in s.get("rival_norms", ()):
+            label, rival = RIVAL_NORMS[norm], axis.arm(depth, norm)
+            for baseline in ("pre", "lns"):
+                found.append(verdicts.judge_seeds(
+                    f"L={depth}: {label} reaches a lower eval loss than {NORMS[baseline]} "
+                    f"({label} − {NORMS[baseline]})", -1, engine.by_seed(records, axis.arm(depth, baseline), "eval_loss"),
+                    engine.by_seed(records, rival, "eval_loss"), (NORMS[baseline], label)))
+            found.append(verdicts.judge_seeds(
+                f"L={depth}: {label}'s deep blocks stay farther from the identity than Pre-LN's ({label} − Pre-LN "
+                "deep ‖J − I‖/√d)", +1, engine.by_seed(records, axis.arm(depth, "pre"), "jacobian_deep"),
+                engine.by_seed(records, rival, "jacobian_deep"), ("Pre-LN", label)))
+    return found
+
+
+def rivals_section(rivals: list[verdicts.Verdict], args) -> str:
+    if not rivals:
+        return ""
+    s = args.settings
+    names = " and ".join(RIVAL_NORMS[n] for n in s["rival_norms"])
+    return (f"\n## {names} at L = {', '.join(map(str, s['rival_depths']))} (paired by seed)\n\n"
+            + "\n".join("- " + v.line() for v in rivals) + "\n")
+
+
 # ------------------------------------------------------------------------------------------------------ plots
 def plot_against(axis: Axis, records, path: Path) -> Path:
     """Every measure at the last checkpoint against the swept value, one line per norm type."""
@@ -266,7 +303,7 @@ def plot_against(axis: Axis, records, path: Path) -> Path:
     fig, axes = plt.subplots(2, math.ceil(len(measures) / 2), figsize=(4.4 * math.ceil(len(measures) / 2), 7),
                              squeeze=False)
     for ax, measure in zip(axes.flat, measures):
-        for norm, label in NORMS.items():
+        for norm, label in NORM_LABELS.items():
             table = measure_by_value(axis, records, norm, measure)
             xs, means, errors = [], [], []
             for depth in depths:
@@ -392,7 +429,7 @@ def measures_table(axis: Axis, records) -> str:
     """Markdown: per swept value and norm type, the mean over seeds of every measure, and each run's best step."""
     rows = []
     for value in axis.values:
-        for norm, label in NORMS.items():
+        for norm, label in NORM_LABELS.items():
             arm_records = [r for r in records.values() if r["arm"] == axis.arm(value, norm)]
             if not arm_records:
                 continue
@@ -417,6 +454,7 @@ def write_report(args, records, skipped, started, argv, probe: dict | None = Non
     predictions = depth_verdicts(args, records)
     axis = depth_axis(args)
     gaps = gap_verdicts(axis, records)
+    rivals = rival_verdicts(args, records)
     suffix = s.get("report_suffix", "")  # an extension sharing the default's folder keeps its own files
     probe_text, probe_summary = probe_section(args, probe, out, suffix)
     by_depth_png = plot_against(axis, records, out / f"measures_vs_depth{suffix}.png")
@@ -455,7 +493,7 @@ contains zero; **opposite** means it excludes zero the other way.
 {chr(10).join('- ' + v.line() for v in gaps)}
 
 ![loss gap]({rel(gap_png)})
-
+{rivals_section(rivals, args)}
 ## Every measure against depth (last checkpoint)
 
 ![measures against depth]({rel(by_depth_png)})
@@ -499,7 +537,7 @@ Raw numbers: one JSON record per run in `runs/`, and `summary{suffix}.json`.
 """
     summary = dict(budget=args.budget, settings=s, predictions=[v.as_dict() for v in predictions],
                    gaps=[v.as_dict() for v in gaps], overfit_probe=probe_summary, runs=sorted(records),
-                   missing=[spec.name for spec in skipped])
+                   missing=[spec.name for spec in skipped], **({"rivals": [v.as_dict() for v in rivals]} if rivals else {}))
     return engine.write_report_files(out, text, summary, suffix)
 
 
