@@ -346,6 +346,7 @@ def test_depth_sweep_quick_end_to_end_then_reuses_every_record(tmp_path):
     assert f"**Machine** of the runs: {record['machine']} (13 runs)." in report  # the probe too
     analysed = record["analyses"][max(record["analyses"], key=int)]
     assert len(analysed["jacobian_rel_identity_dev"]) == 4 and len(analysed["removal_nats"]) == 4
+    assert len(analysed["block_influence"]) == 4  # the angular tool's block influence reaches the record
     assert len(analysed["removal_document_nats"]) == 2 and len(analysed["removal_document_costs"]) == 4  # 2 documents
     assert len(engine.document_measures(record)["removal_deep"]) == 2
     # A second invocation, with the runs folder gone, reuses the committed records and trains nothing.
@@ -639,3 +640,22 @@ def test_depth_sweep_rivals_train_at_their_depths_and_are_judged_against_pre_ln_
     assert gpas_identity.effect == pytest.approx(0.102) and gpas_identity.status == verdicts.REPRODUCED
     assert "## GPAS and BHyT at L = 24, 48" in depth_sweep.rivals_section(list(found.values()), args)
     assert depth_sweep.rival_verdicts(default, records) == []
+
+
+def test_block_influence_is_the_fifth_measure_where_the_records_have_it():
+    """Records analysed before block influence existed lack it: no column, panel or verdict then; with it, its own
+    verdict row (LNS against Pre-LN, paired by seed)."""
+    def record(arm, seed, influence=None):
+        analysis = dict(crafted_analysis(), **({"block_influence": influence} if influence else {}))
+        return dict(arm=arm, seed=seed, status="finished", final_eval_loss=5.0, eval_curve=[[4, 5.0]],
+                    analyses={"4": analysis})
+
+    old = {f"{arm}-seed{seed}": record(arm, seed) for arm in ("pre", "lns") for seed in (1, 2, 3)}
+    assert "bi_deep" not in engine.measures_in(old) and "jacobian_deep" in engine.measures_in(old)
+    assert not any("block influence" in v.claim for v in compare_norms.pair_verdicts(old, "pre", "lns"))
+    new = {f"{arm}-seed{seed}": record(arm, seed, [0.3] * 4 + [base + 0.01 * seed] * 4)
+           for arm, base in (("pre", 0.02), ("lns", 0.05)) for seed in (1, 2, 3)}
+    assert engine.by_seed(new, "lns", "bi_deep")[2] == pytest.approx(0.07)  # the deeper half only
+    influence = compare_norms.pair_verdicts(new, "pre", "lns")[-1]
+    assert "block influence" in influence.claim and influence.effect == pytest.approx(0.03)
+    assert influence.status == verdicts.REPRODUCED

@@ -197,6 +197,9 @@ CORE_CLAIMS = [
     ("Deep Pre-LN blocks are closer to the identity: LNS's deep ‖J − I‖ is larger", "jacobian_deep", +1, False),
 ]
 REMOVAL_CLAIM = "Removing a deep Pre-LN layer costs less than removing a deep LNS layer (nats/word)"
+# ShortGPT's block influence, the fifth deep-layer measure (issue 39): judged where the records have it
+BI_CLAIM = ("Deep Pre-LN layers change the stream less: LNS's deep block influence 1 − cos(h_l, h_l+1) is larger",
+            "bi_deep", +1, False)
 
 
 def values(records, arm: str, measure: str, step: int | None = None) -> dict[int, float | None]:
@@ -251,6 +254,10 @@ def pair_verdicts(records, pre: str, lns: str, labels: tuple[str, str] | None = 
         found[-1] = documents_note(verdicts.judge_layer_removal_documents(
             REMOVAL_CLAIM, documents[0]["removal_deep"], documents[1]["removal_deep"], labels),
             "the deep-half removal cost (nats/word)")
+    claim, measure, direction, log_ratio = BI_CLAIM
+    influence = values(records, pre, measure), values(records, lns, measure)
+    if any(v is not None for arm in influence for v in arm.values()):
+        found.append(verdicts.judge_seeds(claim, direction, *influence, labels, log_ratio=log_ratio))
     return found
 
 

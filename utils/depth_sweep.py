@@ -69,6 +69,7 @@ PREDICTIONS = [
     ("Pre-LN's deep blocks move toward the identity with depth", "pre", "jacobian_deep", -1, False),
     ("Removing a deep Pre-LN layer costs less with depth", "pre", "removal_deep", -1, False),
     ("More Pre-LN layers are cheap to remove with depth", "pre", "cheap_removal_fraction", +1, False),
+    ("Pre-LN's deep layers change the stream less with depth (block influence)", "pre", "bi_deep", -1, False),
 ]
 
 
@@ -253,7 +254,8 @@ def depth_verdicts(args, records) -> list[verdicts.Verdict]:
     axis = depth_axis(args)
     gap = {depth: {seed: -difference for seed, difference in per_seed.items()}  # Pre-LN − LNS: the advantage
            for depth, per_seed in paired_differences(axis, records, "eval_loss").items()}
-    return [*measure_slope_verdicts(axis, records, PREDICTIONS),
+    predictions = [p for p in PREDICTIONS if p[2] in engine.measures_in(records)]  # block influence: newer records
+    return [*measure_slope_verdicts(axis, records, predictions),
             slope_verdict("LNS's advantage (Pre-LN − LNS eval loss) grows with depth (slope vs ln L)", +1,
                           slope_by_seed(gap, False))]
 
@@ -299,7 +301,7 @@ def plot_against(axis: Axis, records, path: Path) -> Path:
     """Every measure at the last checkpoint against the swept value, one line per norm type."""
     plt = engine.pyplot()
     depths = axis.values
-    measures = list(engine.MEASURES)
+    measures = list(engine.measures_in(records))
     fig, axes = plt.subplots(2, math.ceil(len(measures) / 2), figsize=(4.4 * math.ceil(len(measures) / 2), 7),
                              squeeze=False)
     for ax, measure in zip(axes.flat, measures):
@@ -427,6 +429,7 @@ loss turning up is the overfitting point itself.
 # ------------------------------------------------------------------------------------------------------ report
 def measures_table(axis: Axis, records) -> str:
     """Markdown: per swept value and norm type, the mean over seeds of every measure, and each run's best step."""
+    shown = engine.measures_in(records)
     rows = []
     for value in axis.values:
         for norm, label in NORM_LABELS.items():
@@ -434,15 +437,15 @@ def measures_table(axis: Axis, records) -> str:
             if not arm_records:
                 continue
             cells = [str(value), label, f"{len(arm_records)}"]
-            for measure in engine.MEASURES:
+            for measure in shown:
                 vals = [v for v in engine.by_seed(records, axis.arm(value, norm), measure).values()
                         if v is not None]
                 cells.append(f"{np.mean(vals):.4f}" if vals else "n/a")
             best = [min(r["eval_curve"], key=lambda p: p[1])[0] for r in arm_records if r["eval_curve"]]
             cells.append(", ".join(map(str, best)))
             rows.append("| " + " | ".join(cells) + " |")
-    header = (f"| {axis.symbol} | norm | runs | " + " | ".join(engine.MEASURES.values())
-              + " | step of lowest eval loss |\n|" + "---|" * (len(engine.MEASURES) + 4))
+    header = (f"| {axis.symbol} | norm | runs | " + " | ".join(shown.values())
+              + " | step of lowest eval loss |\n|" + "---|" * (len(shown) + 4))
     return "\n".join([header, *rows])
 
 

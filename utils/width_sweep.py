@@ -182,7 +182,7 @@ def measure_slopes_table(axis: Axis, records) -> str:
     """Per measure and norm type, the mean per-seed slope against ln(width) with its 95% interval (descriptive:
     the paper makes no width prediction)."""
     rows = [f"| measure | Pre-LN: slope vs ln {axis.symbol} | LNS: slope vs ln {axis.symbol} |", "|---|---|---|"]
-    for measure, title in engine.MEASURES.items():
+    for measure, title in engine.measures_in(records).items():
         log_values = measure == "variance_growth"
         cells = [interval_text(list(depth_sweep.slope_by_seed(
             depth_sweep.measure_by_value(axis, records, norm, measure), log_values).values())) for norm in NORMS]
@@ -234,10 +234,11 @@ def identity_answer(axis: Axis, at_width: dict[int, list[verdicts.Verdict]], slo
 # ------------------------------------------------------------------------------------------------------ report
 def write_csv(axis: Axis, records, path: Path) -> Path:
     """One row per run: its width, norm, seed, status, device, times and every measure at its last checkpoint."""
+    shown = engine.measures_in(records)
     with path.open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["width", "norm", "seed", "status", "device", "train_seconds", "analysis_seconds",
-                         *engine.MEASURES])
+                         *shown])
         for width in axis.values:
             for norm in NORMS:
                 for record in sorted((r for r in records.values() if r["arm"] == axis.arm(width, norm)),
@@ -245,7 +246,7 @@ def write_csv(axis: Axis, records, path: Path) -> Path:
                     measures = engine.measures_at(record) if record["status"] == "finished" else {}
                     writer.writerow([width, norm, record["seed"], record["status"], engine.record_device(record),
                                      record.get("train_seconds"), record.get("analysis_seconds"),
-                                     *(engine.finite_or_none(measures.get(m)) for m in engine.MEASURES)])
+                                     *(engine.finite_or_none(measures.get(m)) for m in shown)])
     return path
 
 

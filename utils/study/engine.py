@@ -558,6 +558,7 @@ def analyse_checkpoint(checkpoint: Path, settings: AnalysisSettings, out_dir: Pa
     _tool(angular_analysis.main, ["--model_path", str(checkpoint), *text, "--num_tokens", str(settings.stream_tokens),
                                   "--output_dir", str(out_dir / "angular")], log)
     angular = json.loads((out_dir / "angular" / "angular_distance.json").read_text())["angular_distance"]
+    influence = json.loads((out_dir / "angular" / "block_influence.json").read_text())["block_influence"]
     _tool(jacobian_analysis.main, ["--model_path", str(checkpoint), *text, "--num_tokens",
                                    str(settings.jacobian_tokens), "--probes", str(settings.jacobian_probes),
                                    "--output_dir", str(out_dir / "jacobian")], log)
@@ -574,6 +575,7 @@ def analyse_checkpoint(checkpoint: Path, settings: AnalysisSettings, out_dir: Pa
         variance=[float(v) for v in variance["variance"]],
         angular_next=[None if v is None else float(v) for v in angular[0]],
         angular=angular,
+        block_influence=[float(v) for v in influence],
         jacobian_rel_identity_dev=[float(row["rel_identity_dev"]) for row in jacobian],
         jacobian_mean_diag=[float(row["mean_diag"]) if row["mean_diag"] else None for row in jacobian],
         removal_metric=baseline["metric"], removal_baseline=float(baseline["value"]),
@@ -626,6 +628,8 @@ def summarise_analysis(analysis: dict) -> dict:
         cheap_removal_fraction=float(np.mean([v < CHEAP_REMOVAL_NATS for v in removal])),
         jacobian_deep=float(np.mean(deep_half(analysis["jacobian_rel_identity_dev"]))),
         norm_gain_mean=float(np.mean(gains)) if gains else float("nan"),
+        bi_deep=float(np.mean(deep_half(analysis["block_influence"]) or [float("nan")]))
+        if "block_influence" in analysis else float("nan"),
     )
 
 
@@ -652,7 +656,19 @@ MEASURES = {
     "cheap_removal_fraction": "fraction of layers with removal cost < 1% ppl",
     "jacobian_deep": "deep-half ‖J − I‖_F / √d",
     "norm_gain_mean": "mean norm gain (all layers)",
+    "bi_deep": "deep-half block influence 1 − cos(h_l, h_l+1)",
 }
+
+
+LATER_MEASURES = ("bi_deep",)  # records analysed before a measure existed lack it
+
+
+def measures_in(records: dict[str, dict]) -> dict[str, str]:
+    """MEASURES, less the later ones that no record has, so that no table, plot or verdict shows a measure that
+    none of its runs took."""
+    found = [measures_at(r) for r in records.values() if r.get("status") == "finished"]
+    return {m: title for m, title in MEASURES.items()
+            if m not in LATER_MEASURES or any(finite_or_none(f.get(m)) is not None for f in found)}
 
 
 def measures_at(record: dict, step: int | None = None) -> dict:
@@ -708,7 +724,7 @@ def finish_grid(fig, axes, panels_used: int, title: str, path: Path) -> Path:
 def plot_dynamics(records: dict[str, dict], arms: dict[str, str], path: Path, measures=None) -> Path:
     """Each measure against the training step: one line per arm (mean over seeds), shaded from min to max."""
     plt = pyplot()
-    measures = list(measures or MEASURES)
+    measures = list(measures or measures_in(records))
     cols = 3
     rows = math.ceil(len(measures) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
