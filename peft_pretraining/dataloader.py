@@ -17,15 +17,14 @@ Stream order (the same for any num_workers):
 The stream position (`TrainStream.state_dict()`) says where every lane is, so resuming rebuilds the readers there and
 the next batch is exactly the one that would have come next.
 
-CLI: `python -m peft_pretraining.dataloader build-embedded --source /path/to/austen` rebuilds data/embedded/* and
+The embedded corpus and its tokenizer are built by `peft_pretraining.embedded_corpus`; its CLI is run from here:
+`python -m peft_pretraining.dataloader build-embedded --source /path/to/austen` rebuilds data/embedded/* and
 data/tokenizer/ from the raw novels.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import gzip
-import io
 import json
 import logging
 import math
@@ -37,28 +36,26 @@ import signal
 import tempfile
 import warnings
 import zlib
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
 
-from peft_pretraining.cli import OneLineErrorParser
+# build_parser, main and write_jsonl_gz are not used here: build_parser and main run the documented
+# `python -m peft_pretraining.dataloader build-embedded` command, and tools import write_jsonl_gz from here.
+from peft_pretraining.embedded_corpus import (  # noqa: F401
+    EMBEDDED_DIR,
+    TOKENIZER_DIR,
+    build_parser,
+    main,
+    train_tokenizer,
+    write_jsonl_gz,
+)
 
 logger = logging.getLogger(__name__)
 
 EMBEDDED = "embedded"  # the --dataset value meaning the shipped corpus
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-DATA_DIR = REPO_ROOT / "data"
-EMBEDDED_DIR = DATA_DIR / "embedded"
-TOKENIZER_DIR = DATA_DIR / "tokenizer"
-DEFAULT_AUSTEN_SOURCE = REPO_ROOT.parent / "shared" / "data" / "austen"
-
 EMBEDDED_SPLITS = ("train", "validation")
-VALIDATION_NOVEL = "persuasion"  # held out whole, so validation text never overlaps training text
-EMBEDDED_VOCAB_SIZE = 8192
-PAD_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "</s>", "<unk>"  # ids 0, 1, 2 as in t5-base
-SPECIAL_TOKENS = [PAD_TOKEN, EOS_TOKEN, UNK_TOKEN]
-MIN_DOCUMENT_CHARS = 700  # paragraphs of a chapter are grouped until a document has at least this many characters
 
 HUB_DEFAULT_CONFIGS = {"allenai/c4": "en", "c4": "en"}
 LOCAL_EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json"}
@@ -71,120 +68,14 @@ IGNORE_INDEX = -100
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Embedded corpus: building from the raw novels
+# Embedded corpus files and the tokenizer
 # ----------------------------------------------------------------------------------------------------------------
-_GUTENBERG_START = re.compile(r"^\*\*\*\s*START OF (THE|THIS) PROJECT GUTENBERG.*$", re.IGNORECASE | re.MULTILINE)
-_GUTENBERG_END = re.compile(r"^\*\*\*\s*END OF (THE|THIS) PROJECT GUTENBERG.*$", re.IGNORECASE | re.MULTILINE)
-_HEADING = re.compile(r"^(chapter|volume)\s+[\divxlc]+\.?$", re.IGNORECASE)
-
-
-def strip_gutenberg_boilerplate(text: str) -> str:
-    """Keep only the text between Project Gutenberg START/END markers when they are present."""
-    start = _GUTENBERG_START.search(text)
-    if start:
-        text = text[start.end():]
-    end = _GUTENBERG_END.search(text)
-    if end:
-        text = text[: end.start()]
-    return text
-
-
-def split_novel_into_documents(text: str, min_chars: int = MIN_DOCUMENT_CHARS) -> list[str]:
-    """Unwrap paragraphs and group consecutive paragraphs of one chapter into documents of >= min_chars.
-
-    Chapter/volume headings close the current document and are dropped, so no document spans two chapters;
-    the last document of a chapter may be shorter than min_chars (that variety is what padding has to handle).
-    """
-    text = strip_gutenberg_boilerplate(text.replace("\r\n", "\n"))
-    documents, current = [], []
-
-    def close():
-        if current:
-            documents.append("\n".join(current))
-            current.clear()
-
-    for block in re.split(r"\n\s*\n", text):
-        paragraph = " ".join(line.strip() for line in block.strip().splitlines())
-        paragraph = re.sub(r" {2,}", " ", paragraph)
-        if not paragraph:
-            continue
-        if _HEADING.match(paragraph):
-            close()
-            continue
-        current.append(paragraph)
-        if sum(len(p) for p in current) >= min_chars:
-            close()
-    close()
-    return documents
-
-
-def write_jsonl_gz(path: pathlib.Path, records: Iterable[dict]) -> None:
-    """Byte-reproducible gzip (mtime 0, no file name in the header)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz:
-        with io.TextIOWrapper(gz, encoding="utf-8", newline="\n") as out:
-            for record in records:
-                out.write(json.dumps(record, ensure_ascii=False) + "\n")
-
-
 def read_jsonl_texts(path: pathlib.Path) -> list[str]:
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
         return [json.loads(line)["text"] for line in f if line.strip()]
 
 
-def build_embedded_corpus(source: str | pathlib.Path, out_dir: str | pathlib.Path = EMBEDDED_DIR,
-                          tokenizer_dir: str | pathlib.Path | None = TOKENIZER_DIR) -> dict:
-    """Write out_dir/{train,validation}.jsonl.gz from the six *.txt.gz novels and train the tokenizer on train."""
-    source, out_dir = pathlib.Path(source), pathlib.Path(out_dir)
-    novels = sorted(source.glob("*.txt.gz"))
-    if not novels:
-        raise ValueError(f"--source {source}: no *.txt.gz novels found")
-    names = [p.name[: -len(".txt.gz")] for p in novels]
-    if VALIDATION_NOVEL not in names:
-        raise ValueError(f"--source {source}: the validation novel {VALIDATION_NOVEL}.txt.gz is missing")
-    splits: dict[str, list[dict]] = {"train": [], "validation": []}
-    for name, path in zip(names, novels):
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            documents = split_novel_into_documents(f.read())
-        split = "validation" if name == VALIDATION_NOVEL else "train"
-        splits[split].extend({"text": doc, "source": name} for doc in documents)
-    for split, records in splits.items():
-        write_jsonl_gz(out_dir / f"{split}.jsonl.gz", records)
-    summary = {split: {"documents": len(rows), "characters": sum(len(row["text"]) for row in rows)}
-               for split, rows in splits.items()}
-    if tokenizer_dir is not None:
-        train_tokenizer([r["text"] for r in splits["train"]], tokenizer_dir)
-    return summary
-
-
-def train_tokenizer(texts: list[str], out_dir: str | pathlib.Path, vocab_size: int = EMBEDDED_VOCAB_SIZE):
-    """Byte-level BPE (lossless round trip, no unknown characters), saved as a PreTrainedTokenizerFast directory."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator(texts, trainer=trainer)
-    if backend.get_vocab_size() != vocab_size:
-        raise ValueError(f"tokenizer training produced {backend.get_vocab_size()} ids, expected {vocab_size}")
-    eos_id = backend.token_to_id(EOS_TOKEN)
-    # Mirror t5-base: encoding with special tokens appends </s>.
-    backend.post_processor = processors.TemplateProcessing(single=f"$A {EOS_TOKEN}",
-                                                           pair=f"$A {EOS_TOKEN} $B {EOS_TOKEN}",
-                                                           special_tokens=[(EOS_TOKEN, eos_id)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN,
-                                        unk_token=UNK_TOKEN, model_max_length=1024)
-    tokenizer.save_pretrained(str(out_dir))
-    return tokenizer
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Tokenizer
-# ----------------------------------------------------------------------------------------------------------------
 def embedded_split_path(split: str) -> pathlib.Path:
     if split not in EMBEDDED_SPLITS:
         raise ValueError(f"unknown split {split!r} for the embedded corpus (expected one of {EMBEDDED_SPLITS})")
@@ -643,13 +534,157 @@ def _rows_to_batch(rows: list[np.ndarray], max_length: int, pad_id: int) -> dict
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
 
 
+class _DocumentOrderReader:
+    """Documents of an `EmbeddedSource` in epoch order; position {"epoch", "document", "token_offset"}.
+
+    A cursor is (epoch, index of the document in this rank's epoch order).
+    """
+
+    num_lanes = 1
+
+    def __init__(self, source):
+        self.source = source
+        self.description = {}  # nothing beyond the stream's own description to check on resume
+
+    def start_position(self) -> dict:
+        return {"epoch": 0, "document": 0, "token_offset": 0}
+
+    def position_from_state(self, state: dict) -> dict:
+        return {key: int(state[key]) for key in ("epoch", "document", "token_offset")}
+
+    def effective_workers(self, num_workers: int) -> int:
+        return num_workers
+
+    def documents(self, position: dict, load, **tokenizing):
+        """(tokens, cursor) from `position` on; `load` runs the chunks in this process or in DataLoader workers."""
+        chunks = _TokenizedChunks(self.source, epoch=position["epoch"], document=position["document"], **tokenizing)
+        for epoch, first, arrays in load(chunks):
+            for offset, tokens in enumerate(arrays):
+                yield tokens, (epoch, first + offset)
+
+    def position_after(self, cursor) -> dict:
+        epoch, index = cursor
+        return {"epoch": epoch, "document": index + 1, "token_offset": 0}
+
+    def position_at(self, cursor, token_offset: int) -> dict:
+        epoch, index = cursor
+        return {"epoch": epoch, "document": index, "token_offset": token_offset}
+
+    def lane_and_epoch(self, cursor) -> tuple[int, int]:
+        return 0, cursor[0]
+
+
+class _LaneReader:
+    """Documents of a `StreamingSource`, CHUNK_DOCUMENTS from each lane in turn; position {"lane" (the lane the next
+    document comes from), "lanes" (per lane: "at", a lane state, and "skip", documents already used after it),
+    "epoch" (the lane epoch of the last document read, for information), "token_offset"}.
+
+    A cursor is (lane, whether the document ends its piece, lane epoch). The positions describe the most recently
+    read document, so they are taken before the next one is read.
+    """
+
+    def __init__(self, source):
+        self.source, self.num_lanes = source, source.num_lanes
+        self.description = {"num_lanes": source.num_lanes}
+        self._progress = None  # per lane: the piece being read and how many of its documents were taken
+
+    def start_position(self) -> dict:
+        return {"lane": 0, "lanes": [{"at": None, "skip": 0} for _ in range(self.num_lanes)], "epoch": 0,
+                "token_offset": 0}
+
+    def position_from_state(self, state: dict) -> dict:
+        if "lanes" not in state:
+            raise ValueError("cannot resume the data stream: the checkpoint's position has no lanes (it was "
+                             "written for the embedded corpus or by the reader before lanes)")
+        return {"lane": int(state["lane"]), "lanes": [dict(lane) for lane in state["lanes"]],
+                "epoch": int(state["epoch"]), "token_offset": int(state["token_offset"])}
+
+    def effective_workers(self, num_workers: int) -> int:
+        """The largest divisor of the lane count <= num_workers (each worker owns whole lanes)."""
+        return max((n for n in range(1, num_workers + 1) if self.num_lanes % n == 0), default=0)
+
+    def documents(self, position: dict, load, **tokenizing):
+        lanes = [dict(lane) for lane in position["lanes"]]
+        self._progress = lanes
+        chunks = _LaneChunks(self.source, first_lane=position["lane"], lanes=[dict(lane) for lane in lanes],
+                             **tokenizing)
+        for lane, at, skip, arrays in load(chunks):
+            lanes[lane] = {"at": at, "skip": skip}
+            for index, (tokens, epoch) in enumerate(arrays):
+                lanes[lane]["skip"] = skip + index + 1
+                yield tokens, (lane, index == len(arrays) - 1, epoch)
+
+    def position_after(self, cursor) -> dict:
+        lane, last_of_piece, epoch = cursor
+        lanes = [dict(entry) for entry in self._progress]
+        next_lane = (lane + 1) % len(lanes) if last_of_piece else lane
+        return {"lane": next_lane, "lanes": lanes, "epoch": epoch, "token_offset": 0}
+
+    def position_at(self, cursor, token_offset: int) -> dict:
+        position = self.position_after(cursor)
+        lane = cursor[0]
+        position["lane"] = lane
+        position["lanes"][lane]["skip"] -= 1
+        position["token_offset"] = token_offset
+        return position
+
+    def lane_and_epoch(self, cursor) -> tuple[int, int]:
+        return cursor[0], cursor[2]
+
+
+def _padded_batches(documents, reader, *, batch_size: int, max_length: int, pad_id: int):
+    """(batch, position after it): one document per row, right-padded; empty documents get no row."""
+    # Per lane (each with its own epochs): the epoch where its current run of empty documents began.
+    empty_since, lane_epoch = {}, {}
+    while True:
+        rows, cursor = [], None
+        for tokens, cursor in documents:
+            lane, lane_epoch[lane] = reader.lane_and_epoch(cursor)
+            if len(tokens) < 2:  # an empty document: EOS alone, nothing to predict; its row would be padding
+                empty_since.setdefault(lane, lane_epoch[lane])
+                # Every lane has read a whole epoch of empty documents: nothing will ever fill a row.
+                if len(empty_since) == reader.num_lanes and all(lane_epoch[key] >= start + 2
+                                                                for key, start in empty_since.items()):
+                    raise ValueError("no training document holds a target token: every document is empty "
+                                     "(--dataset / --dataset_path)")
+                continue
+            empty_since.pop(lane, None)
+            rows.append(tokens)
+            if len(rows) == batch_size:
+                break
+        yield _rows_to_batch(rows, max_length, pad_id), reader.position_after(cursor)
+
+
+def _packed_batches(documents, reader, *, batch_size: int, max_length: int, token_offset: int):
+    """(batch, position after it): documents joined end to end and cut into full rows; the first document starts
+    token_offset tokens in (the tokens used before a resume)."""
+    skip = token_offset
+    buffer = np.empty(batch_size * max_length, dtype=np.int64)
+    current = None  # (tokens, cursor, next offset)
+    while True:
+        filled = 0
+        while filled < len(buffer):
+            if current is None or current[2] == len(current[0]):
+                tokens, cursor = next(documents)
+                current = (tokens, cursor, skip)
+                skip = 0
+            tokens, cursor, offset = current
+            take = min(len(buffer) - filled, len(tokens) - offset)
+            buffer[filled: filled + take] = tokens[offset: offset + take]
+            filled += take
+            current = (tokens, cursor, offset + take)
+        tokens, cursor, offset = current
+        position = reader.position_after(cursor) if offset == len(tokens) else reader.position_at(cursor, offset)
+        input_ids = torch.from_numpy(buffer.reshape(batch_size, max_length).copy())
+        yield {"input_ids": input_ids, "labels": input_ids.clone(),
+               "attention_mask": torch.ones_like(input_ids)}, position
+
+
 class TrainStream:
     """Endless micro-batches for one rank; `state_dict()` / `load_state_dict()` resume exactly.
 
-    Position: embedded corpus {"epoch", "document", "token_offset"}; streaming sources {"lane" (the lane the next
-    document comes from), "lanes" (per lane: "at", a lane state, and "skip", documents already used after it),
-    "epoch" (the lane epoch of the last document read, for information), "token_offset"}. token_offset counts the
-    tokens of the next document that were already used (packing).
+    The reader of the source (`_DocumentOrderReader` for the embedded corpus, `_LaneReader` for streaming sources)
+    defines the position; its "token_offset" counts the tokens of the next document that were already used (packing).
     """
 
     def __init__(self, source, tokenizer, *, max_length: int, packing: bool, batch_size: int, num_workers: int = 0,
@@ -663,28 +698,19 @@ class TrainStream:
         _require_eos(tokenizer)
         self.source, self.tokenizer = source, tokenizer
         self.max_length, self.packing, self.batch_size, self.num_workers = max_length, packing, batch_size, num_workers
-        self.description = dict(description or {})
-        self.lane_reader = isinstance(source, StreamingSource)
-        if self.lane_reader:
-            self.description["num_lanes"] = source.num_lanes
-            self.position = {"lane": 0, "lanes": [{"at": None, "skip": 0} for _ in range(source.num_lanes)],
-                             "epoch": 0, "token_offset": 0}
-        else:
-            self.position = {"epoch": 0, "document": 0, "token_offset": 0}
+        self.reader = _LaneReader(source) if isinstance(source, StreamingSource) else _DocumentOrderReader(source)
+        self.description = {**(description or {}), **self.reader.description}
+        self.position = self.reader.start_position()
         self.batches_yielded = 0
         self._batches = None
-        self._lane_progress = None
-        if self.lane_reader and self.effective_workers != num_workers:
+        if self.effective_workers != num_workers:
             logger.warning("%d DataLoader workers requested, %d used: each worker reads whole lanes and the %d lanes "
                            "of rank %d must divide evenly among them", num_workers, self.effective_workers,
                            source.num_lanes, source.rank)
 
     @property
     def effective_workers(self) -> int:
-        """Streaming sources: the largest divisor of the lane count <= num_workers (each worker owns whole lanes)."""
-        if not self.lane_reader:
-            return self.num_workers
-        return max((n for n in range(1, self.num_workers + 1) if self.source.num_lanes % n == 0), default=0)
+        return self.reader.effective_workers(self.num_workers)
 
     # --- iteration -------------------------------------------------------------------------------------------
     def __iter__(self):
@@ -706,97 +732,15 @@ class TrainStream:
                                                                 collate_fn=_keep_as_is,
                                                                 worker_init_fn=_leave_stop_signals_to_the_trainer))
 
-    def _documents(self):
-        """(tokens, cursor) from the current position; `cursor` locates the document for _position_*."""
-        if self.lane_reader:
-            yield from self._lane_documents()
-            return
-        chunks = _TokenizedChunks(self.source, self.tokenizer, max_length=self.max_length, packing=self.packing,
-                                  epoch=self.position["epoch"], document=self.position["document"])
-        for epoch, first, arrays in self._loader(chunks):
-            for offset, tokens in enumerate(arrays):
-                yield tokens, (epoch, first + offset)
-
-    def _lane_documents(self):
-        lanes = [dict(lane) for lane in self.position["lanes"]]
-        self._lane_progress = lanes  # per lane: the piece being read and how many of its documents were taken
-        chunks = _LaneChunks(self.source, self.tokenizer, max_length=self.max_length, packing=self.packing,
-                             first_lane=self.position["lane"], lanes=[dict(lane) for lane in lanes])
-        for lane, at, skip, arrays in self._loader(chunks):
-            lanes[lane] = {"at": at, "skip": skip}
-            for index, (tokens, epoch) in enumerate(arrays):
-                lanes[lane]["skip"] = skip + index + 1
-                yield tokens, (lane, index == len(arrays) - 1, epoch)
-
-    def _position_after(self, cursor) -> dict:
-        """The position just after the document at `cursor` (the most recently read one)."""
-        if not self.lane_reader:
-            epoch, index = cursor
-            return {"epoch": epoch, "document": index + 1, "token_offset": 0}
-        lane, last_of_piece, epoch = cursor
-        lanes = [dict(entry) for entry in self._lane_progress]
-        next_lane = (lane + 1) % len(lanes) if last_of_piece else lane
-        return {"lane": next_lane, "lanes": lanes, "epoch": epoch, "token_offset": 0}
-
-    def _position_at(self, cursor, token_offset: int) -> dict:
-        """The position inside the document at `cursor`, token_offset tokens in."""
-        if not self.lane_reader:
-            epoch, index = cursor
-            return {"epoch": epoch, "document": index, "token_offset": token_offset}
-        position = self._position_after(cursor)
-        lane = cursor[0]
-        position["lane"] = lane
-        position["lanes"][lane]["skip"] -= 1
-        position["token_offset"] = token_offset
-        return position
-
-    def _lane_and_epoch(self, cursor) -> tuple[int, int]:
-        return (cursor[0], cursor[2]) if self.lane_reader else (0, cursor[0])
-
     def _generate(self):
-        T, B = self.max_length, self.batch_size
-        documents = self._documents()
-        if not self.packing:
-            # Per lane (each with its own epochs): the epoch where its current run of empty documents began.
-            empty_since, lane_epoch, lanes = {}, {}, self.source.num_lanes if self.lane_reader else 1
-            while True:
-                rows, cursor = [], None
-                for tokens, cursor in documents:
-                    lane, lane_epoch[lane] = self._lane_and_epoch(cursor)
-                    if len(tokens) < 2:  # an empty document: EOS alone, nothing to predict; its row would be padding
-                        empty_since.setdefault(lane, lane_epoch[lane])
-                        # Every lane has read a whole epoch of empty documents: nothing will ever fill a row.
-                        if len(empty_since) == lanes and all(lane_epoch[key] >= start + 2
-                                                             for key, start in empty_since.items()):
-                            raise ValueError("no training document holds a target token: every document is empty "
-                                             "(--dataset / --dataset_path)")
-                        continue
-                    empty_since.pop(lane, None)
-                    rows.append(tokens)
-                    if len(rows) == B:
-                        break
-                yield _rows_to_batch(rows, T, self.tokenizer.pad_token_id), self._position_after(cursor)
-        skip = self.position["token_offset"]  # tokens of the first document already used before a resume
-        buffer = np.empty(B * T, dtype=np.int64)
-        current = None  # (tokens, cursor, next offset)
-        while True:
-            filled = 0
-            while filled < B * T:
-                if current is None or current[2] == len(current[0]):
-                    tokens, cursor = next(documents)
-                    current = (tokens, cursor, skip)
-                    skip = 0
-                tokens, cursor, offset = current
-                take = min(B * T - filled, len(tokens) - offset)
-                buffer[filled: filled + take] = tokens[offset: offset + take]
-                filled += take
-                current = (tokens, cursor, offset + take)
-            tokens, cursor, offset = current
-            position = (self._position_after(cursor) if offset == len(tokens)
-                        else self._position_at(cursor, offset))
-            input_ids = torch.from_numpy(buffer.reshape(B, T).copy())
-            yield {"input_ids": input_ids, "labels": input_ids.clone(),
-                   "attention_mask": torch.ones_like(input_ids)}, position
+        """(batch, position after it) from the current position on."""
+        documents = self.reader.documents(self.position, self._loader, tokenizer=self.tokenizer,
+                                          max_length=self.max_length, packing=self.packing)
+        if self.packing:
+            return _packed_batches(documents, self.reader, batch_size=self.batch_size, max_length=self.max_length,
+                                   token_offset=self.position["token_offset"])
+        return _padded_batches(documents, self.reader, batch_size=self.batch_size, max_length=self.max_length,
+                               pad_id=self.tokenizer.pad_token_id)
 
     def close(self) -> None:
         """Stop DataLoader workers (they also stop when the stream is garbage-collected)."""
@@ -814,14 +758,7 @@ class TrainStream:
                 raise ValueError(f"cannot resume the data stream: it was saved with {key}={state[key]!r}, "
                                  f"now {key}={value!r}")
         self.close()
-        if self.lane_reader:
-            if "lanes" not in state:
-                raise ValueError("cannot resume the data stream: the checkpoint's position has no lanes (it was "
-                                 "written for the embedded corpus or by the reader before lanes)")
-            self.position = {"lane": int(state["lane"]), "lanes": [dict(lane) for lane in state["lanes"]],
-                             "epoch": int(state["epoch"]), "token_offset": int(state["token_offset"])}
-        else:
-            self.position = {key: int(state[key]) for key in ("epoch", "document", "token_offset")}
+        self.position = self.reader.position_from_state(state)
         self.batches_yielded = int(state.get("batches_yielded", 0))
 
 
@@ -936,31 +873,6 @@ def _trim_targets(batch: dict, surplus: int) -> None:
     keep[0] = True
     for key in batch:
         batch[key] = batch[key][keep]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# CLI
-# ----------------------------------------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(prog="python -m peft_pretraining.dataloader", description=__doc__.split("\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    build = commands.add_parser("build-embedded", help="rebuild data/embedded/* and data/tokenizer/ from the novels")
-    build.add_argument("--source", default=str(DEFAULT_AUSTEN_SOURCE), help="folder with the six *.txt.gz novels")
-    build.add_argument("--out_dir", default=str(EMBEDDED_DIR))
-    build.add_argument("--tokenizer_dir", default=str(TOKENIZER_DIR))
-    return parser
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not pathlib.Path(args.source).is_dir():
-        parser.error(f"--source {args.source}: not a directory")
-    try:
-        summary = build_embedded_corpus(args.source, args.out_dir, args.tokenizer_dir)
-    except ValueError as error:
-        parser.error(str(error))
-    print(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from peft_pretraining import dataloader as data
+from peft_pretraining import embedded_corpus as corpus
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 AUSTEN = REPO.parent / "shared" / "data" / "austen"
@@ -55,7 +56,7 @@ def sentences(n, prefix):
 def test_embedded_tokenizer_ids_and_round_trip(tokenizer):
     from transformers import AutoTokenizer
 
-    assert len(tokenizer) == data.EMBEDDED_VOCAB_SIZE
+    assert len(tokenizer) == corpus.EMBEDDED_VOCAB_SIZE
     assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (0, 1, 2)
     assert (tokenizer.pad_token, tokenizer.eos_token) == ("<pad>", "</s>")
     text = 'It is a truth universally acknowledged -- "Mr. Darcy!" said she ; café, naïve, 1813.\n\n  Tab\there ?!'
@@ -81,7 +82,7 @@ def test_tokenizer_is_rebuilt_when_missing(tmp_path, monkeypatch, tokenizer, par
 
 
 def test_vocab_check_and_split_names(tokenizer):
-    data.check_vocab_covers_tokenizer(data.EMBEDDED_VOCAB_SIZE, tokenizer)
+    data.check_vocab_covers_tokenizer(corpus.EMBEDDED_VOCAB_SIZE, tokenizer)
     with pytest.raises(ValueError, match="8000"):
         data.check_vocab_covers_tokenizer(8000, tokenizer)
     assert data.embedded_split_path("validation").exists() and data.embedded_split_path("train").exists()
@@ -94,8 +95,8 @@ def test_validation_novel_is_held_out():
         with gzip.open(data.embedded_split_path(split), "rt", encoding="utf-8") as f:
             return {json.loads(line)["source"] for line in f}
 
-    assert sources("validation") == {data.VALIDATION_NOVEL}
-    assert len(sources("train")) == 5 and data.VALIDATION_NOVEL not in sources("train")
+    assert sources("validation") == {corpus.VALIDATION_NOVEL}
+    assert len(sources("train")) == 5 and corpus.VALIDATION_NOVEL not in sources("train")
     train = set(data.read_jsonl_texts(data.embedded_split_path("train")))
     assert not train & set(data.read_jsonl_texts(data.embedded_split_path("validation")))
 
@@ -104,7 +105,7 @@ def test_gutenberg_boilerplate_and_headings_are_stripped():
     raw = ("The Project Gutenberg EBook of X\n\n*** START OF THIS PROJECT GUTENBERG EBOOK X ***\n\nCHAPTER I\n\n"
            "First paragraph\nwrapped here.\n\nSecond one.\n\nChapter 2\n\nThird.\n\n"
            "*** END OF THIS PROJECT GUTENBERG EBOOK X ***\n\nLicence text.")
-    documents = data.split_novel_into_documents(raw, min_chars=40)
+    documents = corpus.split_novel_into_documents(raw, min_chars=40)
     assert documents == ["First paragraph wrapped here.\nSecond one.", "Third."]
 
 
