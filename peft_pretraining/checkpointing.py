@@ -172,17 +172,24 @@ def complete_checkpoints(run_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def older_than_the_newest(run_dir: str, just_saved_step: int, newest: int | None) -> list[str]:
+    """The complete checkpoints before the one just saved, less the newest - 1 nearest it; none when newest is None
+    or the just-saved checkpoint is not complete. Later steps (a trajectory replaced by resuming earlier) are left
+    out."""
+    checkpoints = dict(complete_checkpoints(run_dir))
+    if newest is None or just_saved_step not in checkpoints:
+        return []
+    earlier = [path for step, path in sorted(checkpoints.items()) if step < just_saved_step]
+    return earlier[: max(len(earlier) - (newest - 1), 0)]
+
+
 def prune_checkpoints(run_dir: str, just_saved_step: int, keep_last: int | None) -> list[str]:
     """After a successful save: keep the checkpoint just written and the keep_last - 1 newest before it.
 
     Checkpoints of a later step than the one just saved belong to a trajectory this run replaced by resuming
     earlier; they are neither counted nor removed. keep_last None keeps everything. Returns the removed folders.
     """
-    checkpoints = dict(complete_checkpoints(run_dir))
-    if keep_last is None or just_saved_step not in checkpoints:
-        return []
-    earlier = [path for step, path in sorted(checkpoints.items()) if step < just_saved_step]
-    doomed = earlier[: max(len(earlier) - (keep_last - 1), 0)]
+    doomed = older_than_the_newest(run_dir, just_saved_step, keep_last)
     for path in doomed:
         shutil.rmtree(path)
     return doomed
@@ -193,11 +200,7 @@ def drop_training_state(run_dir: str, just_saved_step: int, resumable_last: int 
     training state; older ones lose training_state.pt and sharded/ (the optimizer, two to three times the weights)
     and keep their HF export, which the analyses and lm-eval read. They are no longer resumable, so find_checkpoint
     and --keep_last no longer count them. None keeps every training state. Returns the folders slimmed."""
-    checkpoints = dict(complete_checkpoints(run_dir))
-    if resumable_last is None or just_saved_step not in checkpoints:
-        return []
-    earlier = [path for step, path in sorted(checkpoints.items()) if step < just_saved_step]
-    slimmed = earlier[: max(len(earlier) - (resumable_last - 1), 0)]
+    slimmed = older_than_the_newest(run_dir, just_saved_step, resumable_last)
     for path in slimmed:
         os.remove(os.path.join(path, TRAINING_STATE_FILE))  # first: a folder without it is never resumed from
         shutil.rmtree(os.path.join(path, SHARDED_DIR), ignore_errors=True)

@@ -254,7 +254,8 @@ def depth_verdicts(args, records) -> list[verdicts.Verdict]:
     axis = depth_axis(args)
     gap = {depth: {seed: -difference for seed, difference in per_seed.items()}  # Pre-LN − LNS: the advantage
            for depth, per_seed in paired_differences(axis, records, "eval_loss").items()}
-    predictions = [p for p in PREDICTIONS if p[2] in engine.measures_in(records)]  # block influence: newer records
+    measured = engine.measures_in(records)  # block influence: only records analysed since it was added
+    predictions = [p for p in PREDICTIONS if p[2] in measured]
     return [*measure_slope_verdicts(axis, records, predictions),
             slope_verdict("LNS's advantage (Pre-LN − LNS eval loss) grows with depth (slope vs ln L)", +1,
                           slope_by_seed(gap, False))]
