@@ -108,30 +108,6 @@ def full_model_state(model) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def our_config(model_path: str | os.PathLike):
-    """Our NormPlacementConfig for a local folder whose config.json has our model_type, else None; for
-    ``AutoTokenizer.from_pretrained(folder, config=our_config(folder))``.
-
-    AutoTokenizer first reads the folder's config.json through AutoConfig. Our model_type (``llama_norm_placement``)
-    is unknown to stock transformers and our auto_map names our code, so AutoConfig asks "Do you wish to run the
-    custom code? [y/N]" (on a terminal; trust_remote_code=False skips the question), fails, and AutoTokenizer falls
-    back to a bare config with the warning "You are using a model of type `llama_norm_placement` to instantiate a
-    model of type ``". Given the config, it asks nothing and warns nothing. Checkpoints saved before our model_type
-    existed say "llama", which AutoConfig reads by itself: None for them.
-    """
-    from peft_pretraining.modeling_llama import NormPlacementConfig
-
-    config_file = os.path.join(model_path, "config.json")
-    if not os.path.isfile(config_file):
-        return None
-    with open(config_file) as f:
-        try:
-            model_type = json.load(f).get("model_type")
-        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as err:
-            raise ValueError(f"{config_file}: not a JSON object ({err})") from None
-    return NormPlacementConfig.from_pretrained(model_path) if model_type == NormPlacementConfig.model_type else None
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Full-format (DDP) loading without extra copies
 # ----------------------------------------------------------------------------------------------------------------

@@ -101,10 +101,10 @@ def load_tokenizer(name_or_path: str):
                 shutil.rmtree(staging, ignore_errors=True)
         tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
     else:
-        from peft_pretraining.checkpointing import our_config
+        import peft_pretraining.modeling_llama  # noqa: F401 (registers our model type: a checkpoint of ours asks nothing)
 
-        try:  # a checkpoint of ours, given our config, asks no custom-code question (checkpointing.our_config)
-            tokenizer = AutoTokenizer.from_pretrained(name_or_path, config=our_config(name_or_path))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path)
         except (OSError, ValueError) as error:  # ValueError: a folder without tokenizer files
             raise ValueError(f"--tokenizer {name_or_path!r} could not be loaded ({error}); use --tokenizer embedded "
                              "offline") from error

@@ -2,8 +2,7 @@
 
 `build_embedded_corpus` writes data/embedded/{train,validation}.jsonl.gz (byte-reproducible) and trains the
 byte-level BPE tokenizer in data/tokenizer/ on the train split. Reading the corpus for training and evaluation is
-`peft_pretraining.dataloader`'s job, whose documented CLI runs this module's `main`:
-`python -m peft_pretraining.dataloader build-embedded --source /path/to/austen`.
+`peft_pretraining.dataloader`'s job; its documented `build-embedded` command runs this module's `main`.
 """
 from __future__ import annotations
 

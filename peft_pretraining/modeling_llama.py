@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, LlamaConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, LlamaConfig, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutput
 
@@ -827,8 +827,15 @@ def _attention_mask(attention_mask: torch.Tensor | None, seq_len: int, device) -
     return mask | torch.eye(seq_len, dtype=torch.bool, device=device)[None, None]
 
 
-NormPlacementConfig.register_for_auto_class()
+NormPlacementConfig.register_for_auto_class()  # save_pretrained writes auto_map and copies this file beside the weights
 LlamaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+# A process that imported this module knows our model type: AutoConfig, AutoTokenizer and AutoModelForCausalLM read
+# our checkpoints with this code and ask no custom-code question. Elsewhere the checkpoint's copy of this file needs
+# trust_remote_code=True, and that copy registers nothing: trusting one checkpoint must not silence the question for
+# the next.
+if __package__ == "peft_pretraining":
+    AutoConfig.register(NormPlacementConfig.model_type, NormPlacementConfig, exist_ok=True)
+    AutoModelForCausalLM.register(NormPlacementConfig, LlamaForCausalLM, exist_ok=True)
 
 
 # --------------------------------------------------------------------------------------------------------------------

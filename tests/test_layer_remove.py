@@ -303,25 +303,6 @@ def test_a_checkpoint_saved_with_lns_hooks_is_analysed_and_pruned_with_them(tmp_
         torch.testing.assert_close(logits(pruned), logits(hooked), rtol=0, atol=1e-5)
 
 
-def test_the_tokenizer_of_our_checkpoint_loads_without_a_remote_code_prompt(tmp_path):
-    """In a fresh process (our model class not registered), our config's auto_map made transformers ask on the
-    terminal whether to run the folder's code, and wait 15 s."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    model_dir = save_with_tokenizer(tiny_ours("lns", num_layers=2), tmp_path / "model")
-    script = ("import builtins, sys\n"
-              f"sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})\n"
-              "def prompt(*_):\n    print('PROMPTED', file=sys.stderr)\n    raise EOFError\n"
-              "builtins.input = prompt\n"
-              "from utils import model_io\n"
-              f"print(model_io.load_tokenizer({str(model_dir)!r}).name_or_path)\n")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and "PROMPTED" not in result.stderr, result.stderr[-2000:]
-    assert result.stdout.strip() == str(model_dir)  # its own tokenizer, not the repository's fallback
-
-
 def test_with_cuda_and_the_hub_the_gpu_mmlu_command_comes_first(tmp_path, monkeypatch, capsys):
     import layer_remove
 
@@ -368,10 +349,12 @@ def test_the_heldout_task_states_its_aggregations(tmp_path, caplog):
 
 
 def test_a_fresh_checkpoint_loads_its_tokenizer_with_no_question_and_no_model_type_warning(tmp_path):
-    """AutoTokenizer reads the folder's config.json through AutoConfig first: for our model type, unknown to stock
-    transformers, that asked "Do you wish to run the custom code? [y/N]" (or failed without a terminal) and then
-    warned "You are using a model of type `llama_norm_placement` to instantiate a model of type ``". Our tools hand
-    it our config class: no question, no warning, while the model itself still needs trust_remote_code."""
+    """AutoTokenizer reads the folder's config.json through AutoConfig first. For a model type stock transformers
+    does not know, whose auto_map names the checkpoint's code, that asks "Do you wish to run the custom code? [y/N]"
+    and then warns "You are using a model of type `llama_norm_placement` to instantiate a model of type ``".
+    Importing our model registers its type: the plain call, our tools and AutoModelForCausalLM then ask nothing. Before
+    the import, trust_remote_code=True asks nothing, and the checkpoint's copy of our code registers nothing (the model
+    without trust_remote_code still asks)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -382,19 +365,24 @@ def test_a_fresh_checkpoint_loads_its_tokenizer_with_no_question_and_no_model_ty
               "def prompt(*_):\n    print('PROMPTED', file=sys.stderr)\n    raise EOFError\n"
               "builtins.input = prompt\n"
               "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-              "from utils import model_io\n"
               f"path = {str(model_dir)!r}\n"
-              "print(type(model_io.load_tokenizer(path)).__name__)\n"
-              "print(type(AutoTokenizer.from_pretrained(path, config=model_io.our_config(path))).__name__)\n"
-              "from peft_pretraining import dataloader\n"  # the trainer's --tokenizer <checkpoint>
-              "print(type(dataloader.load_tokenizer(path)).__name__)\n"
               "print(type(AutoTokenizer.from_pretrained(path, trust_remote_code=True)).__name__)\n"
               "try:\n    AutoModelForCausalLM.from_pretrained(path)\n"
-              "except ValueError as err:\n    print('REFUSED' if 'trust_remote_code' in str(err) else err)\n")
+              "except ValueError as err:\n    print('REFUSED' if 'trust_remote_code' in str(err) else err)\n"
+              "print('IMPORT', file=sys.stderr)\n"
+              "import peft_pretraining.modeling_llama\n"
+              "print(type(AutoTokenizer.from_pretrained(path)).__name__)\n"
+              "from utils import model_io\n"
+              "print(model_io.load_tokenizer(path).name_or_path == path)\n"  # its own, not the repository's fallback
+              "from peft_pretraining import dataloader\n"  # the trainer's --tokenizer <checkpoint>
+              "print(type(dataloader.load_tokenizer(path)).__name__)\n"
+              "print(type(AutoModelForCausalLM.from_pretrained(path)).__module__)\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                             stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split() == ["TokenizersBackend"] * 4 + ["REFUSED"]
-    tokenizer_part = result.stderr.split("PROMPTED")[0]  # the model's refusal asks, as it should
-    assert "Do you wish" not in tokenizer_part and "to instantiate a model of type" not in result.stderr
-    assert result.stderr.count("PROMPTED") == 1
+    assert result.stdout.split() == ["TokenizersBackend", "REFUSED", "TokenizersBackend", "True", "TokenizersBackend",
+                                     "peft_pretraining.modeling_llama"]
+    before_import, after_import = result.stderr.split("IMPORT")
+    assert before_import.count("PROMPTED") == 1  # only the model without trust_remote_code asks
+    assert "PROMPTED" not in after_import and "Do you wish" not in after_import
+    assert "to instantiate a model of type" not in result.stderr

@@ -229,9 +229,11 @@ def test_save_and_load_round_trip(norm_type, tmp_path):
     torch.testing.assert_close(ours(tokens).logits, expected, rtol=0, atol=0)
     auto = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
     torch.testing.assert_close(auto(tokens).logits, expected, rtol=0, atol=0)
-    # Without trust_remote_code, stock Llama would take the same parameter names and compute Pre-LN: refused instead.
-    with pytest.raises(ValueError, match="trust_remote_code"):
-        AutoModelForCausalLM.from_pretrained(tmp_path)
+    # Our import registered our model type, so the plain call builds our class; stock Llama would take the same
+    # parameter names and compute Pre-LN. A process without our import refuses it (test_layer_remove).
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(plain) is LlamaForCausalLM
+    torch.testing.assert_close(plain(tokens).logits, expected, rtol=0, atol=0)
 
 
 def test_a_model_built_from_a_stock_config_saves_its_own_model_type(tmp_path):

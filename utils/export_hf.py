@@ -22,7 +22,6 @@ from peft_pretraining.layernorm_scaling import (  # noqa: E402
     reapply_layernorm_scaling_from_config,
 )
 from peft_pretraining.modeling_llama import LlamaForCausalLM, export_to_hf_llama  # noqa: E402
-from utils import model_io  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,9 +57,7 @@ def main(argv=None):
         parser.error(f"--checkpoint {checkpoint}: {error}")
     hf_model.save_pretrained(out)
     if (checkpoint / "tokenizer_config.json").is_file():
-        # Given our config, AutoTokenizer does not read config.json: no question, no model-type warning.
-        tokenizer = AutoTokenizer.from_pretrained(checkpoint, config=model_io.our_config(checkpoint),
-                                                  trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=False)  # our model type is registered
         tokenizer.save_pretrained(out)
     print(f"exported {checkpoint} -> {out} (stock transformers LlamaForCausalLM)")
 

@@ -27,7 +27,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from peft_pretraining.checkpointing import our_config  # noqa: F401 (the analyses' tools import it from here)
+import peft_pretraining.modeling_llama  # noqa: F401 (registers our model type with the Auto classes)
 from peft_pretraining.dataloader import EMBEDDED_DIR, TOKENIZER_DIR, vocab_size_covering
 
 EMBEDDED_HELDOUT_TEXT = EMBEDDED_DIR / "validation.jsonl.gz"  # the held-out novel, one JSON {"text"} per line
@@ -173,8 +173,8 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
     errors = []
     for candidate in candidates:
         try:
-            # Our checkpoints' auto_map names the model's code, never a tokenizer's: no code of a folder is run.
-            tokenizer = AutoTokenizer.from_pretrained(candidate, config=our_config(candidate), trust_remote_code=False)
+            # Our model type is registered (above), and no code of a folder is run.
+            tokenizer = AutoTokenizer.from_pretrained(candidate, trust_remote_code=False)
         except (OSError, ValueError, TypeError) as err:
             errors.append(f"{candidate}: {str(err).strip().splitlines()[0] if str(err).strip() else err!r}")
             continue
