@@ -27,8 +27,8 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-import peft_pretraining.modeling_llama  # noqa: F401 (registers our model type with the Auto classes)
 from peft_pretraining.dataloader import EMBEDDED_DIR, TOKENIZER_DIR, vocab_size_covering
+from peft_pretraining.modeling_llama import NORM_TYPES, LlamaForCausalLM  # also registers our model type
 
 EMBEDDED_HELDOUT_TEXT = EMBEDDED_DIR / "validation.jsonl.gz"  # the held-out novel, one JSON {"text"} per line
 REPO_TOKENIZER = TOKENIZER_DIR
@@ -74,8 +74,6 @@ def resolve_run_settings(parser, args) -> tuple[torch.device, torch.dtype, tuple
 def read_local_config(model_path: str | os.PathLike) -> dict | None:
     """The folder's config.json as a dict, None when there is none; ValueError naming the file when it is not a
     JSON object or names a norm_type our model does not know."""
-    from peft_pretraining.modeling_llama import NORM_TYPES
-
     config_file = Path(model_path) / "config.json"
     if not config_file.is_file():
         return None
@@ -142,7 +140,7 @@ def load_model(model_path: str, dtype: torch.dtype | str = torch.float32, device
 
     ``dtype="auto"`` keeps the dtype the checkpoint was saved in."""
     if is_our_checkpoint(model_path):
-        from peft_pretraining.modeling_llama import LlamaForCausalLM as model_class
+        model_class = LlamaForCausalLM
     else:
         from transformers import AutoModelForCausalLM as model_class
     try:
