@@ -660,3 +660,23 @@ def test_block_influence_is_the_fifth_measure_where_the_records_have_it():
     influence = compare_norms.pair_verdicts(new, "pre", "lns")[-1]
     assert "block influence" in influence.claim and influence.effect == pytest.approx(0.03)
     assert influence.status == verdicts.REPRODUCED
+    assert "deep block influence" in compare_norms.per_arm_table(new, [compare_norms.ARM_BY_NAME["lns"]])
+    assert "deep block influence" not in compare_norms.per_arm_table(old, [compare_norms.ARM_BY_NAME["lns"]])
+
+
+def test_the_depth_sweep_predicts_block_influence_only_from_pre_lns_own_records(tmp_path):
+    """A rival's records with block influence do not make a Pre-LN prediction out of Pre-LN records without it."""
+    args = depth_sweep.parse_args(["--quick", "--out", str(tmp_path / "report"), "--runs_dir", str(tmp_path / "runs")])
+
+    def record(arm, seed, depth, influence):
+        analysis = dict(crafted_analysis(), **({"block_influence": [0.1 / depth] * 4} if influence else {}))
+        return dict(arm=arm, seed=seed, status="finished", final_eval_loss=5.0 + seed / 100, eval_curve=[[4, 5.0]],
+                    analyses={"4": analysis})
+
+    def claims(pre_has_it):
+        records = {f"L{d}-{norm}-seed{seed}": record(f"L{d}-{norm}", seed, d, norm != "pre" or pre_has_it)
+                   for d in (2, 4) for norm in ("pre", "lns", "gpas") for seed in (1, 2)}
+        return [v.claim for v in depth_sweep.depth_verdicts(args, records)]
+
+    assert not any("block influence" in claim for claim in claims(pre_has_it=False))
+    assert any("block influence" in claim for claim in claims(pre_has_it=True))

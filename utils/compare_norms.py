@@ -202,6 +202,17 @@ BI_CLAIM = ("Deep Pre-LN layers change the stream less: LNS's deep block influen
             "bi_deep", +1, False)
 
 
+GROUP_NAMES = {"core": "the {fp32} Pre-LN and LNS arms", "precision": "the pure-bf16 arms",
+               "norms": "Post-LN, Mix-LN and DeepNorm", "rivals": "the rivals",
+               "recent": "GPAS, LNS + GPAS, BHyT and HybridNorm"}
+
+
+def seeds_sentence(settings: dict, fp32_label: str) -> str:
+    """"Seeds 1, 2, 3 for ...; 1 for ...", naming only the groups the budget trains."""
+    return "Seeds " + "; ".join(f"{', '.join(map(str, settings[SEED_KEYS[group]]))} for "
+                                f"{GROUP_NAMES[group].format(fp32=fp32_label)}" for group in settings["groups"])
+
+
 def values(records, arm: str, measure: str, step: int | None = None) -> dict[int, float | None]:
     return engine.by_seed(records, arm, measure, step)
 
@@ -278,6 +289,10 @@ def per_arm_table(records, arms: list[Arm], planned_seeds: dict[str, int] | None
     `planned_seeds` (arm -> the budget's seed count) lets a partial study count an arm's unrun seeds; without it an
     arm's seeds are the ones it has records for."""
     references = [name for name in ("pre", "lns") if any(r["arm"] == name for r in records.values())]
+    columns = {"angular_deep": "deep d(l,l+1)", "removal_deep": "deep removal cost", "jacobian_deep": "deep J dev",
+               "bi_deep": "deep block influence", "variance_growth": "variance growth"}
+    if "bi_deep" not in engine.measures_in(records):  # only records analysed since it was added have it
+        del columns["bi_deep"]
     rows = []
     for arm in arms:
         per_seed = values(records, arm.name, "eval_loss")
@@ -300,13 +315,13 @@ def per_arm_table(records, arms: list[Arm], planned_seeds: dict[str, int] | None
                 label = ARM_BY_NAME[reference].label
                 cells.append(effect_text(loss_verdict(records, reference, arm.name,
                                                       f"{arm.label} reaches a lower eval loss than {label}")))
-        for measure in ("angular_deep", "removal_deep", "jacobian_deep", "variance_growth"):
+        for measure in columns:
             measured = [x for x in values(records, arm.name, measure).values() if x is not None]
             cells.append(f"{sum(measured) / len(measured):.4f}" if measured else "n/a")
         rows.append("| " + " | ".join(cells) + " |")
     against = " | ".join(f"eval loss − {ARM_BY_NAME[r].label} [95% CI], agreeing" for r in references)
-    return (f"| arm | eval loss (mean) | finished/seeds | {against} | deep d(l,l+1) | deep removal cost | deep J dev | "
-            "variance growth |\n|" + "---|" * (7 + len(references)) + "\n" + "\n".join(rows))
+    return (f"| arm | eval loss (mean) | finished/seeds | {against} | {' | '.join(columns.values())} |\n|"
+            + "---|" * (3 + len(references) + len(columns)) + "\n" + "\n".join(rows))
 
 
 def plot_per_arm(records, arms: list[Arm], path: Path) -> Path:
@@ -524,10 +539,8 @@ arm's loss is lower than the reference's with an interval that excludes zero, **
   {s['max_length']} tokens. {s['steps']} updates × {s['batch_size']} × {s['max_length']} = {tokens / 1e6:.2f} M tokens
   per run = {epochs:.2f} epochs over the {train_tokens:,}-token training split.
 - **Training**: Adam, lr 1e-3, {s['warmup']} warmup steps then cosine to 10%, grad clipping 1.0, no weight decay;
-  {fp32_label} unless the arm says pure bf16. {study_dtype_reason(args.dtype)} Seeds
-  {', '.join(map(str, s['seeds']))} for the {fp32_label} Pre-LN and LNS arms and the rivals,
-  {', '.join(map(str, s['precision_seeds']))} for the pure-bf16 arms, {', '.join(map(str, s['norms_seeds']))} for
-  Post-LN, Mix-LN and DeepNorm: a seed fixes the init and the data order, identical across arms.
+  {fp32_label}{' unless the arm says pure bf16' if 'precision' in s['groups'] else ''}. {study_dtype_reason(args.dtype)}
+  {seeds_sentence(s, fp32_label)}: a seed fixes the init and the data order, identical across arms.
 - **Evaluation**: token-weighted cross-entropy over {s['eval_tokens']:,} held-out tokens, every {steps_info[0]} steps.
 - **Instruments**, at steps {', '.join(map(str, steps_info))} for the Pre-LN and LNS arms and at the end for the
   others, all inside the trained context of {s['max_length']} tokens: residual variance and angular distance over
