@@ -680,3 +680,13 @@ def test_the_depth_sweep_predicts_block_influence_only_from_pre_lns_own_records(
 
     assert not any("block influence" in claim for claim in claims(pre_has_it=False))
     assert any("block influence" in claim for claim in claims(pre_has_it=True))
+
+
+@pytest.mark.parametrize("budget, named, not_named", [
+    ("long", ["Pre-LN and LNS"], ["pure-bf16", "DeepNorm", "rivals", "GPAS"]),
+    ("default", ["Pre-LN and LNS", "1 for the pure-bf16 arms", "1 for Post-LN, Mix-LN and DeepNorm"], ["GPAS"]),
+    ("long_rivals", ["1, 2, 3 for Post-LN", "1, 2, 3 for GPAS"], ["pure-bf16"]),
+])
+def test_a_reports_seed_line_names_only_the_arms_its_budget_trains(budget, named, not_named):
+    sentence = compare_norms.seeds_sentence(compare_norms.parse_args(["--budget", budget]).settings, "mixed precision")
+    assert all(part in sentence for part in named) and not any(part in sentence for part in not_named)
