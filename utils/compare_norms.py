@@ -283,16 +283,18 @@ def verdict_lines(found: list[verdicts.Verdict]) -> str:
     return "\n".join(f"- {v.line()}" for v in found)
 
 
+PER_ARM_COLUMNS = {"angular_deep": "deep d(l,l+1)", "removal_deep": "deep removal cost", "jacobian_deep": "deep J dev",
+                   "bi_deep": "deep block influence", "variance_growth": "variance growth"}
+
+
 def per_arm_table(records, arms: list[Arm], planned_seeds: dict[str, int] | None = None) -> str:
     """One row per arm: eval loss, its paired effect against Pre-LN and against LNS, and the deep-layer measures.
 
     `planned_seeds` (arm -> the budget's seed count) lets a partial study count an arm's unrun seeds; without it an
     arm's seeds are the ones it has records for."""
     references = [name for name in ("pre", "lns") if any(r["arm"] == name for r in records.values())]
-    columns = {"angular_deep": "deep d(l,l+1)", "removal_deep": "deep removal cost", "jacobian_deep": "deep J dev",
-               "bi_deep": "deep block influence", "variance_growth": "variance growth"}
-    if "bi_deep" not in engine.measures_in(records):  # only records analysed since it was added have it
-        del columns["bi_deep"]
+    taken = engine.measures_in(records)  # a later measure only where some record has it
+    columns = {m: title for m, title in PER_ARM_COLUMNS.items() if m in taken}
     rows = []
     for arm in arms:
         per_seed = values(records, arm.name, "eval_loss")
