@@ -32,6 +32,7 @@ from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
 from utils.benchmark_gpu import dense_bf16_peak_tflops, model_flops_per_token  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+STAGES = ["recipes", "fsdp_resume", "bare_steps", "micro_batch", "losses", "eager_1b"]
 RECIPE_UPDATES = {"130m": 14, "1b": 12}
 RECIPE_WARMUP = 2
 RECIPE_SEQUENCES, RECIPE_LENGTH = 512, 256  # per update, as every run_*.sh
@@ -70,8 +71,8 @@ def trainer_rates(rows: list[dict], config_path: Path, peak_tflops: float | None
 
 
 class Check:
-    def __init__(self, out: Path, env: dict):
-        self.out, self.env, self.stages = out, env, {}
+    def __init__(self, out: Path, env: dict, command: str):
+        self.out, self.env, self.command, self.stages = out, env, command, {}
 
     def run(self, stage: str, command: list[str], limit_s: int) -> subprocess.CompletedProcess | None:
         """Run one command of a stage, its output appended to OUT/<stage>.log; None when it ran past its limit."""
@@ -88,8 +89,11 @@ class Check:
               f"{time.perf_counter() - start:.0f} s: {' '.join(command[:3])} ...", flush=True)
         return proc
 
-    def record(self, stage: str, ok: bool, **details):
-        self.stages[stage] = dict(ok=ok, **details)
+    def record(self, stage: str, ok: bool, seconds: float, **details):
+        """Keep a stage's result and rewrite the report, so that a call cut at its limit still brings back the
+        stages that finished."""
+        self.stages[stage] = dict(ok=ok, seconds=round(seconds), **details)
+        write_report(self.out, self.stages, self.command)
 
 
 def stage_env(check: Check) -> dict:
@@ -102,43 +106,52 @@ def stage_env(check: Check) -> dict:
             info[package] = __import__(package).__version__
         except ImportError:
             info[package] = "missing"
-    check.record("env", ok=True, **info)
+    check.record("env", ok=True, seconds=0, **info)
     print("gpu_check: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
     return info
 
 
-def stage_recipes(check: Check, fixtures: Path, peak: float | None, sizes: list[str]):
-    for size in sizes:
-        for norm_type in ("pre", "lns"):
-            stage, run_dir = f"recipe_{size}_{norm_type}", check.out / "runs" / f"{size}_{norm_type}"
-            updates = RECIPE_UPDATES[size]
-            proc = check.run(stage, ["bash", f"run_{size}.sh", norm_type, *data_flags(fixtures),
-                                     "--num_training_steps", str(updates), "--warmup_steps", "1",
-                                     "--eval_every", str(updates), "--eval_tokens", "20K", "--save_dir",
-                                     str(run_dir)], limit_s=240)
-            rows = read_rows(run_dir)
-            check.record(stage, ok=proc is not None and proc.returncode == 0, updates=len(rows),
-                         **trainer_rates(rows, REPO / "configs" / f"llama_{size}.json", peak))
-            shutil.rmtree(run_dir, ignore_errors=True)  # a 1B checkpoint is about 8 GB: none is kept
+def stage_recipes(check: Check, fixtures: Path, peak: float | None, sizes: list[str], micro_batches: list[int]):
+    """Each recipe as shipped, 1B first (never run on a GPU before this check), then the 130M recipe's Pre-LN at
+    larger micro-batches (the total batch of 512 kept through accumulation)."""
+    runs = [(size, norm_type, None) for size in sorted(sizes, reverse=True) for norm_type in ("pre", "lns")]
+    runs += [("130m", "pre", batch) for batch in micro_batches if "130m" in sizes]
+    for size, norm_type, batch in runs:
+        stage = f"recipe_{size}_{norm_type}" + (f"_b{batch}" if batch else "")
+        run_dir, updates, start = check.out / "runs" / stage, RECIPE_UPDATES[size], time.perf_counter()
+        proc = check.run(stage, ["bash", f"run_{size}.sh", norm_type, *data_flags(fixtures),
+                                 *(["--batch_size", str(batch)] if batch else []),
+                                 "--num_training_steps", str(updates), "--warmup_steps", "1",
+                                 "--eval_every", str(updates), "--eval_tokens", "20K", "--save_dir",
+                                 str(run_dir)], limit_s=240)
+        rows = read_rows(run_dir)
+        check.record(stage, ok=proc is not None and proc.returncode == 0, seconds=time.perf_counter() - start,
+                     updates=len(rows), **trainer_rates(rows, REPO / "configs" / f"llama_{size}.json", peak))
+        shutil.rmtree(run_dir, ignore_errors=True)  # a 1B checkpoint is about 8 GB: none is kept
 
 
-def stage_benchmarks(check: Check, selected: list[str]):
-    for stage, flags in (("eager_1b", ["--configs", "configs/llama_1b.json", "--modes", "eager", "--steps", "6",
-                                       "--warmup", "2"]),
-                         ("bare_steps", ["--configs", "configs/llama_130m.json", "configs/llama_1b.json", "--modes",
-                                         "compiled", "--steps", "8", "--warmup", "3"])):
-        if stage not in selected:
-            continue
-        rows_path = check.out / f"{stage}.json"
-        proc = check.run(stage, [sys.executable, "utils/benchmark_gpu.py", "--dtypes", "bfloat16", *flags, "--json",
-                                 str(rows_path)], limit_s=200)
-        rows = json.loads(rows_path.read_text()) if rows_path.is_file() else []
-        check.record(stage, ok=proc is not None and proc.returncode == 0 and all("error" not in r for r in rows),
-                     rows=rows)
+BENCHMARKS = {  # stage: utils/benchmark_gpu.py flags
+    "bare_steps": ["--configs", "configs/llama_130m.json", "configs/llama_1b.json", "--modes", "compiled",
+                   "--steps", "8", "--warmup", "3"],
+    "micro_batch": ["--configs", "configs/llama_130m.json", "--modes", "compiled", "--batch_size", "128", "256",
+                    "--steps", "8", "--warmup", "3"],
+    "losses": ["--configs", "configs/llama_130m.json", "--modes", "compiled", "--batch_size", "256", "--losses",
+               "chunked", "liger", "--steps", "8", "--warmup", "3"],
+    "eager_1b": ["--configs", "configs/llama_1b.json", "--modes", "eager", "--steps", "6", "--warmup", "2"],
+}
+
+
+def stage_benchmark(check: Check, stage: str):
+    rows_path, start = check.out / f"{stage}.json", time.perf_counter()
+    proc = check.run(stage, [sys.executable, "utils/benchmark_gpu.py", "--dtypes", "bfloat16", *BENCHMARKS[stage],
+                             "--json", str(rows_path)], limit_s=200)
+    rows = json.loads(rows_path.read_text()) if rows_path.is_file() else []
+    check.record(stage, ok=proc is not None and proc.returncode == 0 and all("error" not in r for r in rows),
+                 seconds=time.perf_counter() - start, rows=rows)
 
 
 def stage_fsdp_resume(check: Check, fixtures: Path):
-    stage, run_dir = "fsdp_resume", check.out / "runs" / "fsdp"
+    stage, run_dir, start = "fsdp_resume", check.out / "runs" / "fsdp", time.perf_counter()
     command = ["bash", "run_130m.sh", "pre", *data_flags(fixtures), "--fsdp", "--dtype", "mixed", "--resume", "auto",
                "--num_training_steps", "6", "--warmup_steps", "1", "--eval_every", "6", "--eval_tokens", "20K",
                "--save_dir", str(run_dir)]
@@ -161,8 +174,8 @@ def stage_fsdp_resume(check: Check, fixtures: Path):
     steps_continue = [row["step"] for row in rows] == list(range(1, 7)) and 2 <= stopped_at < 6
     ok = (stopped_code == 5 and resumed is not None and resumed.returncode == 0 and steps_continue
           and abs(losses[stopped_at] / losses[stopped_at - 1] - 1) < 0.1)
-    check.record(stage, ok=ok, stopped_exit=stopped_code, stopped_after=len(stopped_rows),
-                 resumed_exit=None if resumed is None else resumed.returncode, losses=losses)
+    check.record(stage, ok=ok, seconds=time.perf_counter() - start, stopped_exit=stopped_code,
+                 stopped_after=len(stopped_rows), resumed_exit=None if resumed is None else resumed.returncode, losses=losses)
     shutil.rmtree(run_dir, ignore_errors=True)
 
 
@@ -205,7 +218,8 @@ def write_report(out: Path, stages: dict, command: str):
     for name, stage in stages.items():
         details = ", ".join(f"{k} {v}" for k, v in stage.items() if k not in ("ok", "rows"))
         if "rows" in stage:
-            details = "; ".join(f"{r.get('config')} {'compiled' if r.get('compiled') else 'eager'}: "
+            details = "; ".join(f"{r.get('config')} {'compiled' if r.get('compiled') else 'eager'} "
+                                f"b{r.get('batch', '?')} {r.get('loss', 'standard')}: "
                                 f"{r.get('tokens_per_s', r.get('error'))} tok/s, MFU {r.get('mfu', '-')}, "
                                 f"{r.get('peak_memory_gib', '-')} GiB" for r in stage["rows"])
         lines.append(f"| {name} | {'yes' if stage['ok'] else '**FAILED**'} | {details} |")
@@ -221,8 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog="gpu_check.sh", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", help="where the report, the JSON and the stage logs go")
-    parser.add_argument("--stages", nargs="+", default=["recipes", "eager_1b", "bare_steps", "fsdp_resume"],
-                        choices=["recipes", "eager_1b", "bare_steps", "fsdp_resume"])
+    parser.add_argument("--stages", nargs="+", default=STAGES, choices=STAGES,
+                        help="which stages run, always in the order of the default (most wanted first)")
+    parser.add_argument("--micro_batches", nargs="*", type=int, default=[128, 256],
+                        help="the 130M recipe's Pre-LN is also run at these micro-batches (default: 128 256)")
     parser.add_argument("--recipe_sizes", nargs="+", default=list(RECIPE_UPDATES), choices=list(RECIPE_UPDATES),
                         help="which recipes the recipes stage runs (default: all; 130m alone takes about 2 minutes)")
     return parser
@@ -238,19 +254,23 @@ def main(argv=None) -> int:
                        "GPU (bash run_tiny.sh runs on the CPU)\n")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    check = Check(out, dict(os.environ, **OFFLINE, NPROC="1"))
+    command = "bash utils/gpu_check.sh " + " ".join(argv if argv is not None else sys.argv[1:])
+    check = Check(out, dict(os.environ, **OFFLINE, NPROC="1"), command)
     info = stage_env(check)
     peak = dense_bf16_peak_tflops(info["device"])
     fixtures = out / "fixtures"
     for kind in ("c4", "t5"):
         check.run("fixtures", [sys.executable, "utils/offline_fixtures.py", kind, str(fixtures / kind)], limit_s=120)
-    if "recipes" in args.stages:
-        stage_recipes(check, fixtures, peak, args.recipe_sizes)
-    stage_benchmarks(check, args.stages)
-    if "fsdp_resume" in args.stages:
-        stage_fsdp_resume(check, fixtures)
+    for stage in STAGES:
+        if stage not in args.stages:
+            continue
+        if stage == "recipes":
+            stage_recipes(check, fixtures, peak, args.recipe_sizes, args.micro_batches)
+        elif stage == "fsdp_resume":
+            stage_fsdp_resume(check, fixtures)
+        else:
+            stage_benchmark(check, stage)
     shutil.rmtree(out / "runs", ignore_errors=True)
-    write_report(out, check.stages, "bash utils/gpu_check.sh " + " ".join(argv if argv is not None else sys.argv[1:]))
     print((out / "gpu_check.md").read_text(), flush=True)
     return 0 if all(stage["ok"] for stage in check.stages.values()) else 1
 
