@@ -690,3 +690,58 @@ def test_the_depth_sweep_predicts_block_influence_only_from_pre_lns_own_records(
 def test_a_reports_seed_line_names_only_the_arms_its_budget_trains(budget, named, not_named):
     sentence = compare_norms.seeds_sentence(compare_norms.parse_args(["--budget", budget]).settings, "mixed precision")
     assert all(part in sentence for part in named) and not any(part in sentence for part in not_named)
+
+
+def depth_records(jacobian_deep, eval_loss, depths=(6, 12, 24, 48), seeds=(1, 2, 3)):
+    """Crafted depth-sweep records: jacobian_deep(norm, depth, seed) sets the deep half's ‖J − I‖/√d and
+    eval_loss(norm, depth, seed) the final loss."""
+    records = {}
+    for norm in ("pre", "lns"):
+        for depth in depths:
+            for seed in seeds:
+                deep = jacobian_deep(norm, depth, seed)
+                analysis = dict(crafted_analysis(), jacobian_rel_identity_dev=[0.5] * 4 + [deep] * 4)
+                loss = eval_loss(norm, depth, seed)
+                records[f"L{depth}-{norm}-seed{seed}"] = dict(arm=f"L{depth}-{norm}", seed=seed, status="finished",
+                                                              final_eval_loss=loss, eval_curve=[[4, loss]],
+                                                              analyses={"4": analysis})
+    return records
+
+
+def test_comparative_depth_verdicts_tell_a_narrowing_gap_from_a_growing_ratio():
+    """Issue 46: the primary depth verdicts compare the arms. When both arms' deep measure shrinks in proportion
+    (the ratio fixed), the gap LNS − Pre-LN narrows toward zero, which is not LNS's deep layers becoming
+    relatively more active: the gap's slope is reproduced, the ratio's is not. When LNS's measure holds while
+    Pre-LN's shrinks, both are."""
+    axis = depth_sweep.Axis("L", "L", "layers L", "depth", (6, 12, 24, 48))
+    wobble = {1: 1.0, 2: 1.02, 3: 0.97}  # per-seed noise, so that intervals are not degenerate
+
+    def loss(norm, depth, seed):
+        return 5.0 + 0.1 * math.log(depth) * wobble[seed] - (0.05 if norm == "lns" else 0.0)
+
+    def shrinking_in_proportion(norm, depth, seed):  # LNS at half of Pre-LN, with noise in the ratio
+        return (0.5 * (1 + 0.05 * math.sin(depth * seed)) if norm == "lns" else 1.0) * wobble[seed] / depth
+
+    proportional = depth_records(shrinking_in_proportion, loss)
+    jacobian = next(c for c in depth_sweep.comparative_verdicts(axis, proportional) if c.measure == "jacobian_deep")
+    assert jacobian.gap.status == verdicts.REPRODUCED and jacobian.gap.effect > 0
+    assert jacobian.ratio.status == verdicts.INSIDE_NOISE and abs(jacobian.ratio.effect) < 0.05
+    assert "no relative change" in jacobian.reading()
+
+    diverging = depth_records(lambda norm, depth, seed: (0.3 if norm == "lns" else 3.0 / depth) * wobble[seed], loss)
+    jacobian = next(c for c in depth_sweep.comparative_verdicts(axis, diverging) if c.measure == "jacobian_deep")
+    assert (jacobian.gap.status, jacobian.ratio.status) == (verdicts.REPRODUCED, verdicts.REPRODUCED)
+    assert jacobian.ratio.effect == pytest.approx(1.0)  # ln(0.3 / (3 / L)) = ln L + const
+    # block influence only in Pre-LN's records: reported, not measurable, with the reason
+    for name, record in diverging.items():
+        if name.split("-")[1] == "pre":
+            record["analyses"]["4"]["block_influence"] = [0.3] * 8
+    influence = next(c for c in depth_sweep.comparative_verdicts(axis, diverging) if c.measure == "bi_deep")
+    assert influence.gap.status == verdicts.NOT_MEASURABLE and "LNS's records" in influence.gap.reason
+    assert "| not measurable |" in depth_sweep.comparative_section([influence])
+
+    words, summary = depth_sweep.regime(axis, diverging)
+    assert words.startswith("**Depth does not pay here**") and summary["depth_pays"] == {"pre": False, "lns": False}
+    assert summary["lowest_at"] == {"pre": 6, "lns": 6}
+    words, summary = depth_sweep.regime(axis, depth_records(lambda *key: 0.1, lambda n, d, s: loss(n, 96 // d, s)))
+    assert words.startswith("**Depth pays here**") and summary["lowest_at"] == {"pre": 48, "lns": 48}

@@ -47,7 +47,7 @@ NORM_LABELS = {**NORMS, **RIVAL_NORMS}
 # depths of the default fit in 2 hours on 2 cores, and L=96 is the `deep` extension, which shares the default's records.
 BASE_CONFIG = "configs/llama_tiny.json"
 BUDGETS = {
-    "default": dict(depths=(6, 12, 24, 48), steps=400, warmup=40, batch_size=16, max_length=128,
+    "default": dict(depths=(6, 12, 24, 48), steps=400, warmup=40, lr="1e-3", batch_size=16, max_length=128,
                     eval_tokens=32_768, seeds=(1, 2, 3), dynamics_points=3, stream_tokens=8_192,
                     jacobian_tokens=32, jacobian_probes=8, removal_documents=16, out="docs/depth_sweep",
                     runs_dir="runs/depth_sweep",
@@ -71,6 +71,11 @@ PREDICTIONS = [
     ("More Pre-LN layers are cheap to remove with depth", "pre", "cheap_removal_fraction", +1, False),
     ("Pre-LN's deep layers change the stream less with depth (block influence)", "pre", "bi_deep", -1, False),
 ]
+# The paper's mechanism claim is comparative: as models deepen, Pre-LN's deep layers become less effective *than
+# LNS's*. Per deep-layer measure, the direction in which LNS − Pre-LN (and ln(LNS / Pre-LN)) should move with ln L:
+# +1 where a larger value means a more active deep layer, -1 for the variance growth and the cheap-to-remove fraction.
+COMPARATIVE = {"variance_growth": -1, "angular_deep": +1, "jacobian_deep": +1, "removal_deep": +1,
+               "cheap_removal_fraction": -1, "bi_deep": +1}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,9 +131,10 @@ def write_config(args, name: str, **changes) -> str:
 
 
 def depth_config(args, depth: int) -> str:
-    """The base config with `depth` layers."""
+    """The base config with `depth` layers, and the budget's vocabulary where it sets one (its tokenizer's)."""
     hidden = json.loads((REPO / BASE_CONFIG).read_text())["hidden_size"]
-    return write_config(args, f"llama_h{hidden}_L{depth}.json", num_hidden_layers=depth)
+    vocab = {"vocab_size": args.settings["vocab_size"]} if "vocab_size" in args.settings else {}
+    return write_config(args, f"llama_h{hidden}_L{depth}.json", num_hidden_layers=depth, **vocab)
 
 
 def train_flags(args, depth: int, steps: int, warmup: int, eval_every: int, config: str | None = None
@@ -137,9 +143,9 @@ def train_flags(args, depth: int, steps: int, warmup: int, eval_every: int, conf
     budget's data, batch and schedule on the study's --device."""
     s = args.settings
     config = config or depth_config(args, depth)
-    return ("--model_config", config, "--dataset", "embedded", "--tokenizer", "embedded",
+    return ("--model_config", config, *engine.dataset_flags(s),
             "--packing", "--max_length", str(s["max_length"]), "--batch_size", str(s["batch_size"]),
-            "--total_batch_size", str(s["batch_size"]), "--lr", "1e-3", "--warmup_steps", str(warmup),
+            "--total_batch_size", str(s["batch_size"]), "--lr", s["lr"], "--warmup_steps", str(warmup),
             "--num_training_steps", str(steps), "--eval_every", str(eval_every), "--eval_tokens",
             str(s["eval_tokens"]), "--grad_clipping", "1.0", "--weight_decay", "0", "--optimizer", "adam",
             "--workers", "0", "--device", args.device, "--dtype", "float32")
@@ -152,10 +158,11 @@ def run_specs(args) -> list[RunSpec]:
     specs = []
     for norms, depths in ((NORMS, s["depths"]), (s.get("rival_norms", ()), rival_depths)):  # Pre-LN and LNS first
         for seed in s["seeds"]:
-            for depth in depths:
-                base = train_flags(args, depth, s["steps"], s["warmup"], dynamics[0])
+            for depth in sorted(depths, key=lambda d: d not in s.get("first_depths", ())):  # stable: the rest after
+                base = train_flags(args, depth, s["steps"], s["warmup"], s.get("eval_every", dynamics[0]))
                 for norm in norms:
-                    specs.append(RunSpec(f"L{depth}-{norm}", seed, (*base, "--norm_type", norm), dynamics))
+                    specs.append(RunSpec(f"L{depth}-{norm}", seed, (*base, "--norm_type", norm), dynamics,
+                                         save_every=s.get("save_every")))
     return specs
 
 
@@ -257,14 +264,161 @@ def measured_for(axis: Axis, records, norm: str) -> dict[str, str]:
     return engine.measures_in({name: r for name, r in records.items() if r.get("arm") in arms})
 
 
+def measured_predictions(axis: Axis, records) -> list[tuple]:
+    return [p for p in PREDICTIONS if p[2] in measured_for(axis, records, p[1])]
+
+
 def depth_verdicts(args, records) -> list[verdicts.Verdict]:
     axis = depth_axis(args)
     gap = {depth: {seed: -difference for seed, difference in per_seed.items()}  # Pre-LN − LNS: the advantage
            for depth, per_seed in paired_differences(axis, records, "eval_loss").items()}
-    predictions = [p for p in PREDICTIONS if p[2] in measured_for(axis, records, p[1])]
-    return [*measure_slope_verdicts(axis, records, predictions),
+    return [*measure_slope_verdicts(axis, records, measured_predictions(axis, records)),
             slope_verdict("LNS's advantage (Pre-LN − LNS eval loss) grows with depth (slope vs ln L)", +1,
                           slope_by_seed(gap, False))]
+
+
+def lns_own_slopes(axis: Axis, records) -> dict[str, verdicts.Verdict]:
+    """Per measure of a Pre-LN prediction, LNS's own slope of it, judged in the same direction: a Pre-LN-only slope
+    is not the paper's claim when LNS's own slope goes the same way."""
+    lns_measures = measured_for(axis, records, "lns")
+    return {measure: slope_verdict(f"LNS's own slope of {'ln ' if log_values else ''}the same measure", direction,
+                                   slope_by_seed(measure_by_value(axis, records, "lns", measure), log_values))
+            for _, _, measure, direction, log_values in measured_predictions(axis, records)
+            if measure in lns_measures}
+
+
+def prediction_lines(axis: Axis, records, predictions: list[verdicts.Verdict], own: dict) -> str:
+    """The Pre-LN verdicts (depth_verdicts, in measured_predictions' order, then the loss gap's), each with LNS's
+    own slope of the same measure under it."""
+    measures = [measure for _, _, measure, _, _ in measured_predictions(axis, records)]
+    lines = []
+    for index, verdict in enumerate(predictions):
+        lines.append("- " + verdict.line())
+        if index < len(measures) and measures[index] in own:
+            lines.append("  - " + own[measures[index]].line())
+    return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class Comparison:
+    """One deep-layer measure judged comparatively: the slope against ln of the swept value of the paired gap
+    LNS − Pre-LN, and of the log ratio ln(LNS / Pre-LN), per seed, with 95% t intervals over seeds."""
+    measure: str
+    gap: verdicts.Verdict
+    ratio: verdicts.Verdict
+
+    def reading(self) -> str:
+        """Which reading the two slopes support, in words."""
+        gap, ratio = self.gap.status, self.ratio.status
+        if verdicts.NOT_MEASURABLE in (gap, ratio):
+            return "not measurable"
+        if (gap, ratio) == (verdicts.REPRODUCED, verdicts.REPRODUCED):
+            return "LNS's lead over Pre-LN grows with depth in absolute and in relative terms, as the paper says"
+        if gap == verdicts.REPRODUCED and ratio == verdicts.OPPOSITE:
+            return ("the gap moves the paper's way but the ratio moves against it: both arms' values shrink and "
+                    "LNS's shrinks faster in relative terms, so its deep layers do not become relatively more "
+                    "active")
+        if gap == verdicts.REPRODUCED:
+            return ("the gap moves the paper's way, the ratio does not beyond noise: the arms converge in absolute "
+                    "terms with no relative change")
+        if ratio == verdicts.REPRODUCED:
+            return "the ratio moves the paper's way, the gap does not"
+        if (gap, ratio) == (verdicts.OPPOSITE, verdicts.OPPOSITE):
+            return "the gap and the ratio both move against the paper"
+        if verdicts.OPPOSITE in (gap, ratio):
+            return f"the {'gap' if gap == verdicts.OPPOSITE else 'ratio'} moves against the paper, the other is " \
+                   "inside noise"
+        return "neither the gap nor the ratio changes with depth beyond noise"
+
+    def as_dict(self) -> dict:
+        return dict(measure=self.measure, gap=self.gap.as_dict(), ratio=self.ratio.as_dict(), reading=self.reading())
+
+
+def comparative_verdicts(axis: Axis, records) -> list[Comparison]:
+    """The primary depth verdicts: per deep-layer measure both arms took, the slopes against ln of the swept value
+    of the paired gap and of the log ratio. A measure only one arm took is reported as not measurable."""
+    pre, lns = measured_for(axis, records, "pre"), measured_for(axis, records, "lns")
+    found = []
+    for measure, direction in COMPARATIVE.items():
+        if measure not in pre and measure not in lns:
+            continue
+        name = engine.MEASURES[measure]
+        gap_claim = f"LNS − Pre-LN in {name}: slope vs ln {axis.symbol}"
+        ratio_claim = f"ln(LNS / Pre-LN) in {name}: slope vs ln {axis.symbol}"
+        if measure not in pre or measure not in lns:
+            lacking = "LNS's" if measure not in lns else "Pre-LN's"
+            reason = f"{lacking} records predate this measure, so there is no pair to compare"
+            found.append(Comparison(measure, *(verdicts.Verdict(claim, direction, None, None, None, 0,
+                                                                verdicts.NOT_MEASURABLE, reason)
+                                               for claim in (gap_claim, ratio_claim))))
+            continue
+        found.append(Comparison(
+            measure,
+            slope_verdict(gap_claim, direction, slope_by_seed(paired_differences(axis, records, measure), False)),
+            slope_verdict(ratio_claim, direction,
+                          slope_by_seed(paired_differences(axis, records, measure, log_ratio=True), False))))
+    return found
+
+
+def comparative_section(comparisons: list[Comparison]) -> str:
+    rows = ["| measure | slope of the gap LNS − Pre-LN | slope of ln(LNS / Pre-LN) | which reading |",
+            "|---|---|---|---|"]
+    for c in comparisons:
+        cells = [engine.MEASURES[c.measure]]
+        for v in (c.gap, c.ratio):
+            cells.append(v.status if v.effect is None else
+                         f"{v.effect:+.4g} [{v.low:+.4g}, {v.high:+.4g}], {v.n_agree}/{v.n_pairs} seeds: {v.status}")
+        rows.append("| " + " | ".join([*cells, c.reading()]) + " |")
+    notes = [f"- {engine.MEASURES[c.measure]}: {c.gap.reason}" for c in comparisons if c.gap.effect is None]
+    return "\n".join(rows + ([""] + notes if notes else []))
+
+
+def arm_loss_verdicts(axis: Axis, records) -> dict[str, verdicts.Verdict]:
+    """Per arm, does adding layers lower the eval loss? The per-seed slope of the eval loss against ln of the swept
+    value, judged against zero (direction -1: depth helps)."""
+    return {norm: slope_verdict(f"{label}'s eval loss falls with {axis.noun} (slope vs ln {axis.symbol})", -1,
+                                slope_by_seed(measure_by_value(axis, records, norm, "eval_loss"), False))
+            for norm, label in NORMS.items()}
+
+
+def regime(axis: Axis, records) -> tuple[str, dict]:
+    """The regime the sweep lives in, in words and as a table: eval loss against the swept value per arm (mean
+    [95% t interval] over seeds), where each arm's loss is lowest, and the slope verdicts of arm_loss_verdicts."""
+    slopes = arm_loss_verdicts(axis, records)
+    header = "| arm | " + " | ".join(f"{axis.symbol} = {v}" for v in axis.values) + " | lowest at | slope vs ln " \
+        f"{axis.symbol} |\n|---|" + "---|" * (len(axis.values) + 2)
+    rows, lowest = [], {}
+    for norm, label in NORMS.items():
+        cells, means = [label], {}
+        for value in axis.values:
+            vals = [v for v in engine.by_seed(records, axis.arm(value, norm), "eval_loss").values() if v is not None]
+            if len(vals) >= 2:
+                mean, low, high = verdicts.paired_t_interval(vals)
+                cells.append(f"{mean:.3f} [{low:.3f}, {high:.3f}]")
+            else:
+                cells.append(f"{vals[0]:.3f}" if vals else "n/a")
+            if vals:
+                means[value] = float(np.mean(vals))
+        lowest[norm] = min(means, key=means.get) if means else None
+        v = slopes[norm]
+        cells += [f"{axis.symbol} = {lowest[norm]}" if lowest[norm] else "n/a",
+                  v.status if v.effect is None else f"{v.effect:+.3f} [{v.low:+.3f}, {v.high:+.3f}]: {v.status}"]
+        rows.append("| " + " | ".join(cells) + " |")
+    helps = {norm: v.status for norm, v in slopes.items()}
+    if all(status == verdicts.REPRODUCED for status in helps.values()):
+        words = ("**Depth pays here**: adding layers lowers both arms' eval loss, the regime of the paper's models.")
+    elif all(status == verdicts.OPPOSITE for status in helps.values()):
+        words = ("**Depth does not pay here**: adding layers raises both arms' eval loss, the opposite of the "
+                 "regime of the paper's models (where a deeper model reaches a lower loss). A deep layer that the "
+                 "loss does not need may be near the identity for reasons unrelated to the curse of depth, so every "
+                 "conclusion of this report holds for this regime only.")
+    else:
+        words = ("**Mixed regime**: adding layers does not move both arms' eval loss the same way beyond noise ("
+                 + "; ".join(f"{NORMS[n]}: {status}" for n, status in helps.items()) + "), so the regime of the "
+                 "paper's models (more depth, lower loss) is not shown here.")
+    summary = dict(slopes={norm: v.as_dict() for norm, v in slopes.items()}, lowest_at=lowest,
+                   depth_pays={norm: status == verdicts.REPRODUCED for norm, status in helps.items()})
+    return words + "\n\n" + "\n".join([header, *rows]), summary
 
 
 def gap_verdicts(axis: Axis, records) -> list[verdicts.Verdict]:
@@ -463,6 +617,9 @@ def write_report(args, records, skipped, started, argv, probe: dict | None = Non
     depths = s["depths"]
     predictions = depth_verdicts(args, records)
     axis = depth_axis(args)
+    comparisons = comparative_verdicts(axis, records)
+    own = lns_own_slopes(axis, records)
+    regime_text, regime_summary = regime(axis, records)
     gaps = gap_verdicts(axis, records)
     rivals = rival_verdicts(args, records)
     suffix = s.get("report_suffix", "")  # an extension sharing the default's folder keeps its own files
@@ -490,13 +647,29 @@ def write_report(args, records, skipped, started, argv, probe: dict | None = Non
 {status} The runs trained for {sum(r['train_seconds'] for r in records.values()) / 60:.0f} minutes in total.
 {engine.wall_time_sentence(specs, records, args.jobs)}
 
-## The paper's depth predictions
+## The regime: does depth pay?
+
+{regime_text}
+
+## The paper's depth claims, comparatively: LNS against Pre-LN
+
+The paper's mechanism claim is comparative: as models deepen, Pre-LN's deep layers become less effective *than
+LNS's*. For each deep-layer measure, the gap LNS − Pre-LN and the log ratio ln(LNS / Pre-LN) are formed per seed at
+every depth, and each is fitted per seed against ln L; the verdict is the slope's 95% Student-t interval over seeds,
+judged in the direction the paper predicts. The gap and the ratio can disagree: when both arms' values shrink toward
+zero as L grows, their gap narrows while their ratio need not move, and only a ratio moving the paper's way means
+that LNS's deep layers become relatively more active.
+
+{comparative_section(comparisons)}
+
+## Pre-LN's own depth predictions, with LNS's own slope beside each
 
 Each verdict is a slope against ln L, fitted per seed over the depths, with a 95% Student-t interval over seeds.
 **reproduced** means the predicted sign AND an interval that excludes zero; **inside noise** means the interval
-contains zero; **opposite** means it excludes zero the other way.
+contains zero; **opposite** means it excludes zero the other way. A Pre-LN slope alone is not the paper's claim
+when LNS's own slope goes the same way: the comparative verdicts above are.
 
-{chr(10).join('- ' + v.line() for v in predictions)}
+{prediction_lines(axis, records, predictions, own)}
 
 ## LNS − Pre-LN eval loss at each depth (paired by seed)
 
@@ -544,7 +717,10 @@ Deep = the deeper half of the layers.
 
 Raw numbers: one JSON record per run in `runs/`, and `summary{suffix}.json`.
 """
-    summary = dict(budget=args.budget, settings=s, predictions=[v.as_dict() for v in predictions],
+    summary = dict(budget=args.budget, settings=s, regime=regime_summary,
+                   comparative=[c.as_dict() for c in comparisons],
+                   lns_own_slopes={measure: v.as_dict() for measure, v in own.items()},
+                   predictions=[v.as_dict() for v in predictions],
                    gaps=[v.as_dict() for v in gaps], overfit_probe=probe_summary, runs=sorted(records),
                    missing=[spec.name for spec in skipped], **({"rivals": [v.as_dict() for v in rivals]} if rivals else {}))
     return engine.write_report_files(out, text, summary, suffix)
