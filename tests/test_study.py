@@ -745,3 +745,27 @@ def test_comparative_depth_verdicts_tell_a_narrowing_gap_from_a_growing_ratio():
     assert summary["lowest_at"] == {"pre": 6, "lns": 6}
     words, summary = depth_sweep.regime(axis, depth_records(lambda *key: 0.1, lambda n, d, s: loss(n, 96 // d, s)))
     assert words.startswith("**Depth pays here**") and summary["lowest_at"] == {"pre": 48, "lns": 48}
+
+
+@pytest.mark.parametrize("script", ["compare_norms", "depth_sweep", "width_sweep"])
+def test_a_study_runs_again_into_a_new_report_folder_over_the_same_runs(script, tmp_path):
+    """Issue 46: a report folder moved or deleted, then the study run again over the same runs folder. The second
+    invocation reuses the training and redoes the analysis cleanly (it was refused: layer_remove.py found its own
+    earlier sweep), and the analysis gives the same numbers."""
+    from utils import width_sweep
+
+    study = {"compare_norms": compare_norms, "depth_sweep": depth_sweep, "width_sweep": width_sweep}[script]
+    runs = tmp_path / "runs"
+
+    def first_spec_into(report):
+        args = study.parse_args(["--quick", "--dtype", "float32", "--no-compile", "--out", str(report),
+                                 "--runs_dir", str(runs)])
+        specs = (study.run_specs(args, study.study_arms(args)) if study is compare_norms else study.run_specs(args))
+        records, skipped = engine.collect_records(args, specs[:1])
+        assert not skipped
+        return next(iter(records.values()))
+
+    first = first_spec_into(tmp_path / "a")
+    again = first_spec_into(tmp_path / "b")
+    assert (first["reused"], again["reused"]) == ("no", "training")
+    assert again["analyses"] == first["analyses"] and again["final_eval_loss"] == first["final_eval_loss"]

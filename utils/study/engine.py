@@ -603,8 +603,11 @@ def _analyse_main(argv: list[str]) -> int:
     results = {}
     for step in args.steps:
         print(f"analysing {run_dir / f'model_{step}'}", flush=True)
-        results[str(step)] = analyse_checkpoint(run_dir / f"model_{step}", settings,
-                                                run_dir / "analysis" / f"step_{step}", sys.stdout)
+        # The tools' output folders are scratch that the record replaces: an earlier analysis of this checkpoint
+        # (a report folder moved or deleted, then the study run again) is redone, not refused by layer_remove.py.
+        out_dir = run_dir / "analysis" / f"step_{step}"
+        shutil.rmtree(out_dir, ignore_errors=True)
+        results[str(step)] = analyse_checkpoint(run_dir / f"model_{step}", settings, out_dir, sys.stdout)
     _write_json_atomic(Path(args.out_json), results)
     return 0
 
