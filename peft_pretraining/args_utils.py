@@ -29,6 +29,7 @@ from peft_pretraining.modeling_llama import (
     canonical_norm_type,
 )
 from peft_pretraining.run_folder import SUPERSEDED_DIR
+from peft_pretraining.wikipedia_corpus import WIKIPEDIA, corpus_paths
 
 # Model options recorded in the checkpoint config: resume takes them from there and refuses a different value.
 MODEL_OPTIONS = ("norm_type", "post_num", "init_method", "layerscale_form", "layerscale_init", "completep_alpha",
@@ -93,14 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = p.add_argument_group("data")
     data.add_argument("--dataset", type=str, default="allenai/c4",
-                      help=f"hub dataset streamed by name, or '{DATASET_EMBEDDED}' for the offline corpus in data/")
+                      help=f"hub dataset streamed by name, '{DATASET_EMBEDDED}' for the offline corpus in data/, or "
+                           f"'{WIKIPEDIA}' for the Wikipedia articles in ../shared/data/wikipedia (or "
+                           "$WIKIPEDIA_DATA_DIR; docs/data.md)")
     data.add_argument("--dataset_config", type=str, default=None,
                       help="hub dataset config (default: en for allenai/c4, none otherwise)")
     data.add_argument("--dataset_path", type=str, default=None,
                       help="local .txt/.json/.jsonl file or folder of them (overrides --dataset)")
     data.add_argument("--tokenizer", type=str, default=None,
                       help=f"default '{DEFAULT_HUB_TOKENIZER}'; '{DATASET_EMBEDDED}' (the tokenizer in data/) "
-                           f"when --dataset {DATASET_EMBEDDED}")
+                           f"when --dataset {DATASET_EMBEDDED}, '{WIKIPEDIA}' (data/tokenizer_wikipedia/) when "
+                           f"--dataset {WIKIPEDIA}")
     data.add_argument("--max_length", type=int, default=256)
     data.add_argument("--packing", action="store_true",
                       help="concatenate documents with EOS into full windows (default: truncate + pad each document)")
@@ -323,8 +327,13 @@ def check_args(args, parser, world_size: int):
 
     if args.dataset_path is not None and not os.path.exists(args.dataset_path):
         parser.error(f"--dataset_path {args.dataset_path}: no such file or folder")
+    if args.dataset == WIKIPEDIA and args.dataset_path is None:  # a named local corpus: its train folder
+        try:
+            args.dataset_path = str(corpus_paths()[0])
+        except ValueError as error:
+            parser.error(f"--dataset {WIKIPEDIA}: {error}")
     if args.tokenizer is None:
-        args.tokenizer = DATASET_EMBEDDED if args.dataset == DATASET_EMBEDDED else DEFAULT_HUB_TOKENIZER
+        args.tokenizer = (args.dataset if args.dataset in (DATASET_EMBEDDED, WIKIPEDIA) else DEFAULT_HUB_TOKENIZER)
 
     for flag in ("batch_size", "max_length", "eval_every", "save_every", "eval_tokens"):
         if getattr(args, flag) <= 0:

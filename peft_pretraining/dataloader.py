@@ -51,6 +51,7 @@ from peft_pretraining.embedded_corpus import (  # noqa: F401
     train_tokenizer,
     write_jsonl_gz,
 )
+from peft_pretraining.wikipedia_corpus import WIKIPEDIA, WIKIPEDIA_TOKENIZER_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,8 @@ def embedded_split_path(split: str) -> pathlib.Path:
 
 
 def load_tokenizer(name_or_path: str):
-    """'embedded' -> data/tokenizer (rebuilt from the shipped train split if missing); else AutoTokenizer."""
+    """'embedded' -> data/tokenizer (rebuilt from the shipped train split if missing); 'wikipedia' ->
+    data/tokenizer_wikipedia; else AutoTokenizer."""
     from transformers import AutoTokenizer
 
     if name_or_path == EMBEDDED:
@@ -102,6 +104,12 @@ def load_tokenizer(name_or_path: str):
         tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
     else:
         import peft_pretraining.modeling_llama  # noqa: F401 (registers our model type: a checkpoint of ours asks nothing)
+
+        if name_or_path == WIKIPEDIA:
+            if not (WIKIPEDIA_TOKENIZER_DIR / "tokenizer.json").exists():
+                raise ValueError(f"--tokenizer {WIKIPEDIA}: {WIKIPEDIA_TOKENIZER_DIR} is missing; rebuild it with "
+                                 "python -m peft_pretraining.wikipedia_corpus build-tokenizer")
+            name_or_path = str(WIKIPEDIA_TOKENIZER_DIR)
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(name_or_path)
