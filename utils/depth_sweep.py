@@ -553,7 +553,7 @@ def probe_section(args, probe: dict | None, out: Path, suffix: str) -> tuple[str
              + "\n| train loss, mean since the eval before | "
              + " | ".join("n/a" if t is None else f"{t:.3f}" for t in train) + " |")
     tokens_to_best = point["best_step"] * s["batch_size"] * s["max_length"]
-    tokens, epochs = tokens_to_best / 1e6, tokens_to_best / engine.embedded_train_tokens()
+    tokens, epochs = tokens_to_best / 1e6, tokens_to_best / engine.train_split_tokens(s)
     if point["overfits"]:
         found = (f"The eval loss is lowest at step **{point['best_step']:,}** ({point['best_loss']:.3f} nats, "
                  f"{tokens:.1f} M tokens, {epochs:.1f} epochs) and rises by {point['rise_after_best']:.3f} nats "
@@ -632,14 +632,14 @@ def write_report(args, records, skipped, started, argv, probe: dict | None = Non
         dynamics[depth] = engine.plot_dynamics(records, arms, out / f"dynamics_L{depth}{suffix}.png")
 
     tokens = s["steps"] * s["batch_size"] * s["max_length"]
-    train_tokens = engine.embedded_train_tokens()
+    train_tokens = engine.train_split_tokens(s)
     specs = run_specs(args)
     status = engine.run_status(records, len(specs), skipped)
     reused = sum(r.get("reused") == "record" for r in records.values())
     machines = engine.records_machines({**records, "probe": probe} if probe else records)
     speeds = {d: [r["tokens_per_s_median"] for r in records.values()
                   if r["arm"].startswith(f"L{d}-") and r.get("tokens_per_s_median")] for d in depths}
-    config = json.loads((REPO / BASE_CONFIG).read_text())
+    config = json.loads((REPO / depth_config(args, depths[0])).read_text())  # the base with the budget's vocabulary
     rel = lambda p: Path(p).resolve().relative_to(out.resolve())  # noqa: E731
     text = f"""# Depth sweep: Pre-LN against LNS at L = {', '.join(map(str, depths))}
 
@@ -699,7 +699,7 @@ Deep = the deeper half of the layers.
 - **Models**: `{BASE_CONFIG}` (hidden {config['hidden_size']}, intermediate {config['intermediate_size']},
   {config['num_attention_heads']} heads, vocab {config['vocab_size']}) with L layers; nothing else changes with L.
 - **Budget**: {s['steps']} updates × {s['batch_size']} × {s['max_length']} packed tokens = {tokens / 1e6:.2f} M tokens per
-  run at every depth, {tokens / train_tokens:.2f} epochs over the {train_tokens:,}-token training split; Adam, lr 1e-3,
+  run at every depth, {tokens / train_tokens:.2f} epochs over the {train_tokens:,}-token training split; Adam, lr {s['lr']},
   {s['warmup']} warmup steps then cosine to 10%, clipping 1.0, {engine.DTYPE_LABELS[args.dtype]} (`--dtype {args.dtype}`, see docs/study.md).
   The budget was chosen for time (four depths, three seeds). A run whose lowest eval loss is at its last eval
   (the table's last column) has not reached the corpus's overfitting point; the overfitting probe above, once run,

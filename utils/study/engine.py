@@ -39,6 +39,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 DTYPE_LABELS = {"float32": "float32", "mixed": "mixed precision"}  # the studies' --dtype, as reports name it
 DEVICES = ("cpu", "cuda")  # the studies' --device
+DEFAULT_DATASET = "embedded"  # a budget's "dataset": embedded (in data/) or wikipedia (outside the repository)
 # checkpoints of a run that keep their training state: older ones keep only the weights the analyses read (a third)
 RESUMABLE_CHECKPOINTS = 1
 RECORD_VERSION = 1
@@ -56,6 +57,7 @@ class AnalysisSettings:
     jacobian_probes: int  # 0: exact Jacobians; K: K random probes per token (unbiased, about d/K times cheaper)
     removal_documents: int  # held-out documents for the layer-removal sweep
     device: str = "cpu"  # where the analyses run; records made before it was recorded ran on the CPU
+    heldout: str = "embedded"  # held-out text (a study dataset's validation split); older records used "embedded"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +137,7 @@ def resolve_study_args(parser: argparse.ArgumentParser, args, budgets: dict) -> 
     if args.device == "cuda" and not args.report_only and not cuda_available():  # a GPU's records report anywhere
         parser.error("--device cuda: no CUDA device is visible on this machine")
     if not args.report_only:
+        check_dataset(parser, args)
         try:  # before any run trains: without it, every analysis fails after its training (a GPU image lacked it)
             import lm_eval.tasks  # noqa: F401 (the removal analysis goes through lm-eval)
         except ImportError as err:
@@ -182,8 +185,38 @@ def cuda_available() -> bool:
 
 def analysis_settings(settings: dict, device: str = "cpu") -> AnalysisSettings:
     return AnalysisSettings(**{field.name: settings[field.name if field.name != "max_seq_len" else "max_length"]
-                               for field in dataclasses.fields(AnalysisSettings) if field.name != "device"},
-                            device=device)
+                               for field in dataclasses.fields(AnalysisSettings)
+                               if field.name not in ("device", "heldout")},
+                            device=device, heldout=settings.get("dataset", DEFAULT_DATASET))
+
+
+def dataset_flags(settings: dict) -> tuple[str, ...]:
+    """The trainer's data flags of a budget: its dataset (default the embedded corpus) with the tokenizer of the
+    same name."""
+    dataset = settings.get("dataset", DEFAULT_DATASET)
+    return ("--dataset", dataset, "--tokenizer", dataset)
+
+
+def heldout_text_flags(heldout: str) -> tuple[list[str], list[str]]:
+    """The analyses' held-out text: (flags of the residual-stream tools, flags of layer_remove.py)."""
+    if heldout == DEFAULT_DATASET:
+        return ["--dataset", "embedded"], []
+    from peft_pretraining.wikipedia_corpus import corpus_paths
+
+    validation = str(corpus_paths()[1])
+    return ["--text_file", validation], ["--task_text_file", validation]
+
+
+def check_dataset(parser: argparse.ArgumentParser, args) -> None:
+    """A budget on a corpus kept outside the repository needs it before any run trains: one line if it is absent."""
+    if args.settings.get("dataset", DEFAULT_DATASET) == DEFAULT_DATASET:
+        return
+    from peft_pretraining.wikipedia_corpus import corpus_paths
+
+    try:
+        corpus_paths()
+    except ValueError as error:
+        parser.error(f"--budget {args.budget}: {error}")
 
 
 def collect_records(args, specs: list[RunSpec]) -> tuple[dict[str, dict], list[RunSpec]]:
@@ -337,7 +370,7 @@ def record_matches(record: dict | None, spec: RunSpec, settings: AnalysisSetting
 def recorded_settings(record: dict) -> dict | None:
     """A record's analysis settings; one made before the device was recorded was analysed on the CPU."""
     settings = record.get("analysis_settings")
-    return None if settings is None else {"device": "cpu", **settings}
+    return None if settings is None else {"device": "cpu", "heldout": DEFAULT_DATASET, **settings}
 
 
 def record_device(record: dict) -> str:
@@ -549,7 +582,8 @@ def analyse_checkpoint(checkpoint: Path, settings: AnalysisSettings, out_dir: Pa
     import layer_remove
     from utils import angular_analysis, jacobian_analysis, variance_analysis
 
-    text = ["--dataset", "embedded", "--max_seq_len", str(settings.max_seq_len), "--device", settings.device,
+    stream_text, removal_text = heldout_text_flags(settings.heldout)
+    text = [*stream_text, "--max_seq_len", str(settings.max_seq_len), "--device", settings.device,
             "--dtype", "float32"]
     _tool(variance_analysis.main, ["--model_paths", str(checkpoint), "--labels", checkpoint.name, *text,
                                    "--num_tokens", str(settings.stream_tokens), "--output_dir",
@@ -565,7 +599,8 @@ def analyse_checkpoint(checkpoint: Path, settings: AnalysisSettings, out_dir: Pa
     with (out_dir / "jacobian" / "jacobian.csv").open() as handle:  # columns fixed by the tool's contract
         jacobian = sorted(csv.DictReader(handle), key=lambda row: int(row["layer"]))
     _tool(layer_remove.main, ["--model_path", str(checkpoint), "--sweep", "--tasks", "heldout_novel_ppl",
-                              "--task_max_documents", str(settings.removal_documents), "--device", settings.device,
+                              *removal_text, "--task_max_documents", str(settings.removal_documents),
+                              "--device", settings.device,
                               "--dtype", "float32", "--max_seq_len", str(settings.max_seq_len), "--per_document",
                               "--output_dir", str(out_dir / "removal")], log)
     rows = json.loads((out_dir / "removal" / "layer_removal.json").read_text())["rows"]
@@ -846,6 +881,16 @@ def embedded_train_tokens() -> int:
 
     texts = list(read_jsonl_texts(embedded_split_path("train")))
     return sum(len(ids) for ids in tokenize_documents(load_tokenizer("embedded"), texts, max_length=0, packing=True))
+
+
+def train_split_tokens(settings: dict) -> int:
+    """Tokens in a budget's training split, EOS included. The Wikipedia count is stored (measured once, checked by
+    tests/test_wikipedia_data.py where the corpus is present): a report is rewritten without the corpus."""
+    if settings.get("dataset", DEFAULT_DATASET) == DEFAULT_DATASET:
+        return embedded_train_tokens()
+    from peft_pretraining.wikipedia_corpus import TRAIN_TOKENS
+
+    return TRAIN_TOKENS
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "analyse":
