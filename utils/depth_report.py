@@ -1,0 +1,537 @@
+"""Is this model cursed? Every depth instrument on the same tokens, in one report.
+
+    python utils/depth_report.py --model_path runs/smollm2_135m --out docs/analyses/smollm2_135m_depth
+    python utils/depth_report.py --model_path runs/pre/model_150 --label Pre-LN \\
+        --model_path runs/lns/model_150 --label LNS --out runs/analysis/depth_report
+
+Each model reads the same text (--dataset / --text_file, as the other tools) in windows of its trained context
+length (utils/model_io.resolve_context_length). From those windows:
+
+- one pass of the residual stream (utils/model_io.ResidualStream) over the first --num_tokens tokens feeds
+  the angular distance d(l, 1) and block influence (utils/angular_analysis.py), the variance
+  (utils/variance_analysis.py), the residual update ratio ||h_{l+1} - h_l|| / ||h_l|| (each block's update against the
+  stream it is added to) and the logit lens: the model's own final norm and LM head applied to the stream after every
+  layer, compared with the final layer's next-token distribution (KL(final || layer l), top-1 agreement, and each
+  token's prediction depth: the first layer from which its top-1 token agrees with the final one and stays);
+- the removal cost of each layer (layer_remove.layer_removed): the rise of the next-token loss, in nats per token,
+  when that layer is removed, over the first --removal_tokens tokens of the same windows;
+- block Jacobians ||J - I||_F / sqrt(d) (utils/jacobian_analysis.py) at --jacobian_tokens positions sampled from the
+  first of the same windows.
+
+Writes to --out: report.md (settings, a few sentences per model, each naming its threshold, and the panel),
+depth_report.png (a row per measure against relative depth l/L, a line per model), depth_report.json and
+depth_report.csv (every number).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+import layer_remove
+from peft_pretraining.cli import OneLineErrorParser
+from utils import model_io
+from utils.angular_analysis import AngularDistanceAccumulator
+from utils.jacobian_analysis import jacobian_summary
+from utils.study.engine import CHEAP_REMOVAL_NATS, cpu_model_name
+from utils.variance_analysis import StreamStatistics
+
+# GPU defaults: the paper's 262,144 tokens for the stream measures and the Jacobian tool's 128 tokens; the removal
+# sweep runs the model L + 1 times, so it reads a quarter of the stream's tokens.
+GPU_STREAM_TOKENS, GPU_REMOVAL_TOKENS, GPU_JACOBIAN_TOKENS = 256 * 1024, 64 * 1024, 128
+# CPU defaults, sized so that SmolLM2-135M (30 layers, d = 576) takes at most 10 minutes on 2 cores (docs/analyses.md).
+CPU_STREAM_TOKENS, CPU_REMOVAL_TOKENS, CPU_JACOBIAN_TOKENS = 8192, 2048, 16
+# The report's thresholds. Cheap removal is the study's: the loss rises by less than 1% in perplexity.
+NEAR_IDENTITY = 0.1  # a block near the identity: ||J - I||_F / sqrt(d) below this, or an update below 10% of ||x||
+SETTLED_KL_NATS = 0.1  # the logit lens has settled from the first layer after which KL(final || layer) stays below
+# Floats of one [tokens, vocab] slab of the logit lens; bounds its memory whatever the vocabulary.
+LENS_CHUNK_FLOATS = 1 << 24
+
+
+# ----------------------------------------------------------------------------- the two new instruments
+def final_readout(model):
+    """The model's own way from the residual stream to logits: its final norm, then its LM head."""
+    norm = getattr(model.get_decoder(), "norm", None)
+    head = model.get_output_embeddings()
+    if norm is None or head is None:
+        raise ValueError(f"{type(model).__name__}: no final norm at get_decoder().norm or no LM head")
+    dtype = head.weight.dtype
+
+    def readout(states: torch.Tensor) -> torch.Tensor:
+        return head(norm(states.to(dtype))).float()
+
+    return readout
+
+
+class LogitLensAccumulator:
+    """Running sums of the logit lens at depths 1..L (the stream after each layer) over real tokens.
+
+    KL(final || depth l) = sum_v p_L(v) (log p_L(v) - log p_l(v)), where p_l = softmax(head(norm(h_l))); p_L is the
+    model's own next-token distribution. A token's prediction depth is the first l from which argmax p_m equals
+    argmax p_L for every m >= l (L when only the final layer has it)."""
+
+    def __init__(self, readout, num_layers: int, vocab_size: int):
+        self.readout = readout
+        self.num_layers = num_layers
+        self.chunk = max(1, LENS_CHUNK_FLOATS // vocab_size)
+        self.kl_sums = torch.zeros(num_layers, dtype=torch.float64)
+        self.agreement_sums = torch.zeros(num_layers, dtype=torch.float64)
+        self.prediction_depths: list[torch.Tensor] = []
+        self.num_tokens = 0
+
+    @torch.inference_mode()
+    def update(self, states: list[torch.Tensor]) -> None:
+        for start in range(0, states[0].shape[0], self.chunk):
+            final = F.log_softmax(self.readout(states[-1][start:start + self.chunk]), dim=-1)
+            final_top1, final_probs = final.argmax(-1), final.exp()
+            agreements = []
+            for depth in range(1, self.num_layers + 1):
+                lens = F.log_softmax(self.readout(states[depth][start:start + self.chunk]), dim=-1)
+                self.kl_sums[depth - 1] += (final_probs * (final - lens)).sum(-1).double().sum().cpu()
+                agreements.append(lens.argmax(-1) == final_top1)
+            agree = torch.stack(agreements)  # [L, tokens]
+            self.agreement_sums += agree.double().sum(1).cpu()
+            # How many of the last depths agree without a break; the final one always does.
+            agreeing_tail = agree.flip(0).long().cumprod(0).sum(0)
+            self.prediction_depths.append((self.num_layers + 1 - agreeing_tail).cpu())
+            self.num_tokens += agree.shape[1]
+
+    def result(self) -> dict:
+        if self.num_tokens == 0:
+            raise ValueError("no tokens were analysed")
+        depths = torch.cat(self.prediction_depths).numpy()
+        return dict(lens_kl=(self.kl_sums / self.num_tokens).tolist(),
+                    lens_top1_agreement=(self.agreement_sums / self.num_tokens).tolist(),
+                    prediction_depth_mean=float(depths.mean()),
+                    prediction_depth_median=float(np.median(depths)),
+                    prediction_depth_p90=float(np.quantile(depths, 0.9)),
+                    # [l - 1] = fraction of tokens whose prediction depth is l
+                    prediction_depth_histogram=(np.bincount(depths, minlength=self.num_layers + 1)[1:]
+                                                / len(depths)).tolist())
+
+
+class UpdateRatioAccumulator:
+    """Mean over real tokens of ||h_{l+1} - h_l|| / ||h_l||: how large block l's update is against the stream it is
+    added to (0 for an identity block). Accumulated in float64."""
+
+    def __init__(self, num_layers: int):
+        self.sums = torch.zeros(num_layers, dtype=torch.float64)
+        self.num_tokens = 0
+
+    def update(self, states: list[torch.Tensor]) -> None:
+        for layer in range(len(states) - 1):
+            before, after = states[layer].double(), states[layer + 1].double()
+            ratios = (after - before).norm(dim=-1) / before.norm(dim=-1).clamp_min(1e-300)
+            self.sums[layer] += ratios.sum().cpu()
+        self.num_tokens += states[0].shape[0]
+
+    def result(self) -> list[float]:
+        if self.num_tokens == 0:
+            raise ValueError("no tokens were analysed")
+        return (self.sums / self.num_tokens).tolist()
+
+
+# ----------------------------------------------------------------------------- the measurements
+def measure_stream(model, batches, total_tokens: int | None = None, desc: str = "stream") -> dict:
+    """One pass of the residual stream feeding the angular, variance, update-ratio and logit-lens sums."""
+    stream = model_io.ResidualStream(model)
+    device = next(model.parameters()).device
+    num_layers = stream.num_layers
+    angular = AngularDistanceAccumulator(num_layers)
+    statistics = StreamStatistics(num_layers)
+    updates = UpdateRatioAccumulator(num_layers)
+    lens = LogitLensAccumulator(final_readout(model), num_layers, model.get_output_embeddings().weight.shape[0])
+    with tqdm(total=total_tokens, unit="tok", desc=desc, dynamic_ncols=True) as bar:
+        for input_ids, attention_mask in batches:
+            states = stream(input_ids.to(device), attention_mask.to(device))
+            for accumulator in (angular, statistics, updates, lens):
+                accumulator.update(states)
+            bar.update(int(attention_mask.sum()))
+    variance = statistics.result()
+    return dict(num_tokens=angular.num_tokens, angular_next=angular.matrix()[0].tolist(),
+                block_influence=angular.block_influence().tolist(), variance=variance["variance"].tolist(),
+                update_ratio=updates.result(), **lens.result())
+
+
+@torch.inference_mode()
+def next_token_loss(model, batches) -> float:
+    """Mean next-token cross-entropy (nats/token) over every real token that has a real successor."""
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for input_ids, attention_mask in batches:
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1].float()
+        scored = (attention_mask[:, 1:] * attention_mask[:, :-1]).bool()
+        total += F.cross_entropy(logits[scored], input_ids[:, 1:][scored], reduction="sum").item()
+        count += int(scored.sum())
+    if count == 0:
+        raise ValueError("no token has a successor to predict")
+    return total / count
+
+
+def measure_removal(model, batches: list, desc: str = "removal") -> dict:
+    """The loss with every layer, and its rise (nats/token) with each layer removed in turn."""
+    baseline = next_token_loss(model, batches)
+    costs = []
+    for layer in tqdm(range(len(model_io.decoder_layers(model))), unit="layer", desc=desc, dynamic_ncols=True):
+        with layer_remove.layer_removed(model, layer):
+            costs.append(next_token_loss(model, batches) - baseline)
+    return dict(removal_baseline_nats=baseline, removal_cost=costs)
+
+
+# ----------------------------------------------------------------------------- plain-word summary
+def deep_half(values: list[float]) -> list[float]:
+    """Layers L//2 .. L-1 (as the study's deep-half measures)."""
+    return values[len(values) // 2:]
+
+
+def settled_from(values: list[float], below: float) -> int | None:
+    """The first 1-based depth from which every value stays below `below`; None when the last one does not."""
+    depth = None
+    for index, value in enumerate(values, start=1):
+        depth = (depth or index) if value < below else None
+    return depth
+
+
+def summarise(result: dict) -> dict:
+    """The scalar answers of the report: which fraction of layers is cheap to remove, where the lens settles, how much
+    of the depth sits near the identity."""
+    num_layers = result["num_layers"]
+    jacobian = [row["rel_identity_dev"] for row in result["jacobian"]]
+    return dict(
+        cheap_removal_fraction=float(np.mean([cost < CHEAP_REMOVAL_NATS for cost in result["removal_cost"]])),
+        removal_deep=float(np.mean(deep_half(result["removal_cost"]))),
+        lens_kl_deep=float(np.mean(deep_half(result["lens_kl"]))),
+        relative_prediction_depth=result["prediction_depth_mean"] / num_layers,
+        lens_settled_depth=settled_from(result["lens_kl"], SETTLED_KL_NATS),
+        near_identity_jacobian_fraction=float(np.mean([value < NEAR_IDENTITY for value in jacobian])),
+        near_identity_update_fraction=float(np.mean([ratio < NEAR_IDENTITY for ratio in result["update_ratio"]])),
+        jacobian_deep=float(np.mean(deep_half(jacobian))),
+        update_ratio_deep=float(np.mean(deep_half(result["update_ratio"]))),
+        bi_deep=float(np.mean(deep_half(result["block_influence"]))),
+        variance_growth=result["variance"][-1] / result["variance"][1],
+    )
+
+
+def layer_list(flags: list[bool]) -> str:
+    """0-based indices of the true entries, as compact ranges: '3-7, 9'."""
+    indices = [index for index, flag in enumerate(flags) if flag]
+    ranges = []
+    for index in indices:
+        if ranges and index == ranges[-1][1] + 1:
+            ranges[-1][1] = index
+        else:
+            ranges.append([index, index])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges) or "none"
+
+
+def sentences(result: dict) -> list[str]:
+    summary, num_layers = result["summary"], result["num_layers"]
+    cheap = [cost < CHEAP_REMOVAL_NATS for cost in result["removal_cost"]]
+    jacobian_near = [row["rel_identity_dev"] < NEAR_IDENTITY for row in result["jacobian"]]
+    update_near = [ratio < NEAR_IDENTITY for ratio in result["update_ratio"]]
+    settled = summary["lens_settled_depth"]
+    settled_text = (f"from layer {settled} of {num_layers} on ({settled / num_layers:.0%} of the depth)" if settled
+                    else "only at the last layer")
+    return [
+        f"**Removal.** {sum(cheap)} of {num_layers} layers ({summary['cheap_removal_fraction']:.0%}) are cheap to "
+        f"remove: removing one alone raises the loss on these tokens by less than 1% in perplexity "
+        f"({CHEAP_REMOVAL_NATS:.4f} nats/token). They are layers {layer_list(cheap)} (0-based); the deep half costs "
+        f"{summary['removal_deep']:.4f} nats/token a layer on average, from a loss of "
+        f"{result['removal_baseline_nats']:.3f}.",
+        f"**Logit lens.** A token's top-1 prediction settles (agrees with the final layer's and stays) after layer "
+        f"{result['prediction_depth_mean']:.1f} of {num_layers} on average ({summary['relative_prediction_depth']:.0%}"
+        f" of the depth; median {result['prediction_depth_median']:.0f}, 90th percentile "
+        f"{result['prediction_depth_p90']:.0f}). The KL from the final distribution stays below {SETTLED_KL_NATS} "
+        f"nats {settled_text}; over the deep half it averages {summary['lens_kl_deep']:.3f} nats.",
+        f"**Near the identity.** {sum(jacobian_near)} of {num_layers} blocks "
+        f"({summary['near_identity_jacobian_fraction']:.0%}) have ‖J − I‖_F/√d below {NEAR_IDENTITY} (layers "
+        f"{layer_list(jacobian_near)}), and {sum(update_near)} ({summary['near_identity_update_fraction']:.0%}) "
+        f"add an update smaller than {NEAR_IDENTITY:.0%} of the stream they are added to (‖F(x)‖/‖x‖ < "
+        f"{NEAR_IDENTITY}; layers {layer_list(update_near)}).",
+    ]
+
+
+# ----------------------------------------------------------------------------- outputs
+# (key, row title, y scale, whether the values are per block (x = (l+1)/L) or per depth 0..L (x = l/L) or 1..L)
+PANEL_ROWS = (
+    ("removal_cost", "removal cost (nats/token)", "symlog", "block"),
+    ("lens_kl", "logit lens: KL(final ‖ layer) (nats)", "symlog", "after"),
+    ("lens_top1_agreement", "logit lens: top-1 agrees with final", "linear", "after"),
+    ("settled_fraction", "tokens whose prediction has settled", "linear", "after"),
+    ("update_ratio", "update ratio ‖F(x)‖/‖x‖", "log", "block"),
+    ("block_influence", "block influence 1 − cos(h_l, h_l+1)", "log", "block"),
+    ("variance", "residual variance", "log", "depth"),
+    ("jacobian_rel_identity_dev", "‖J − I‖_F / √d", "log", "block"),
+)
+
+
+INDEXED_BY = {"block": "layer (0-based)", "after": "depth after layer (1-based)", "depth": "depth (0 = embeddings)"}
+
+
+def per_layer(result: dict, key: str) -> list[float]:
+    if key == "settled_fraction":
+        return np.cumsum(result["prediction_depth_histogram"]).tolist()
+    if key == "jacobian_rel_identity_dev":
+        return [row["rel_identity_dev"] for row in result["jacobian"]]
+    return result[key]
+
+
+def relative_depths(values: list, kind: str, num_layers: int) -> np.ndarray:
+    """x of each value: a block l (0-based) and the stream after it sit at (l+1)/L, the stream at depth l at l/L."""
+    start = 0 if kind == "depth" else 1
+    return np.arange(start, start + len(values)) / num_layers
+
+
+def plot_panel(results: list[dict], path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(PANEL_ROWS), 1, figsize=(7.5, 2.1 * len(PANEL_ROWS)), sharex=True)
+    for ax, (key, row_title, scale, kind) in zip(axes, PANEL_ROWS):
+        for result in results:
+            values = per_layer(result, key)
+            ax.plot(relative_depths(values, kind, result["num_layers"]), values, marker="o", markersize=2.5,
+                    linewidth=1.2, label=result["label"])
+        if key == "removal_cost":
+            ax.axhline(CHEAP_REMOVAL_NATS, color="grey", linestyle=":", linewidth=1)
+        if scale == "symlog":
+            ax.set_yscale("symlog", linthresh=1e-3)
+        else:
+            ax.set_yscale(scale)
+        ax.set_title(row_title, fontsize=9, loc="left")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    axes[-1].set_xlabel(r"relative depth $\ell / L$ (a block at the depth of its output; 0 = embeddings)")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+def write_csv(results: list[dict], path: Path) -> Path:
+    """Long format: one row per (model, measure, layer or depth)."""
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["label", "model_path", "measure", "indexed_by", "index", "relative_depth", "value"])
+        for result in results:
+            for key, _title, _scale, kind in PANEL_ROWS:
+                values = per_layer(result, key)
+                for index, (x, value) in enumerate(zip(relative_depths(values, kind, result["num_layers"]), values)):
+                    writer.writerow([result["label"], result["model_path"], key, INDEXED_BY[kind],
+                                     index + (kind == "after"), f"{x:.6f}", f"{value:.8g}"])
+            for key, value in result["summary"].items():
+                writer.writerow([result["label"], result["model_path"], key, "summary", "", "",
+                                 "" if value is None else value])
+    return path
+
+
+def write_report(results: list[dict], settings: dict, path: Path, panel: Path) -> Path:
+    lines = ["# Depth report", "", "Where each model's layers stop mattering, every instrument on the same text "
+             "(`utils/depth_report.py`).", "", "## Settings", ""]
+    lines += [f"- {name}: {value}" for name, value in settings.items()]
+    for result in results:
+        lines += ["", f"## {result['label']}", "",
+                  f"`{result['model_path']}`: {result['num_layers']} layers, hidden {result['hidden_size']}, "
+                  f"windows of {result['max_seq_len']} tokens; {result['num_tokens']:,} tokens for the stream "
+                  f"measures, {result['removal_tokens']:,} for removal, {result['jacobian_tokens']} for the Jacobians "
+                  f"({result['jacobian_method']}); {result['seconds']:.0f} s.", ""]
+        lines += [f"- {sentence}" for sentence in sentences(result)]
+    lines += ["", "## Per layer", "", f"![every measure against relative depth]({panel.name})", "",
+              "| measure | " + " | ".join(result["label"] for result in results) + " |",
+              "|---|" + "---|" * len(results)]
+    for key in results[0]["summary"]:
+        cells = ["—" if result["summary"][key] is None else f"{result['summary'][key]:.4g}" for result in results]
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# ----------------------------------------------------------------------------- command line
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model_path", action="append", required=True,
+                        help="hub id or local folder; repeat for several models (one line each per panel)")
+    parser.add_argument("--label", action="append", default=None,
+                        help="legend label, one per --model_path in order (default: folder names)")
+    parser.add_argument("--out", required=True, help="folder for report.md, depth_report.png, .json and .csv")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer for every model (default: each model's own)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *model_io.DTYPES],
+                        help="weights dtype; auto = bfloat16 on GPU, float32 on CPU")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    model_io.add_text_arguments(parser, default_num_tokens=GPU_STREAM_TOKENS, cpu_num_tokens=CPU_STREAM_TOKENS)
+    parser.add_argument("--removal_tokens", type=int, default=None,
+                        help=f"tokens (the first of the same windows) whose loss each removal changes (default: "
+                             f"{GPU_REMOVAL_TOKENS:,} on a GPU, {CPU_REMOVAL_TOKENS:,} on a CPU)")
+    parser.add_argument("--jacobian_tokens", type=int, default=None,
+                        help=f"token positions whose block Jacobians are averaged (default: {GPU_JACOBIAN_TOKENS} on a "
+                             f"GPU, {CPU_JACOBIAN_TOKENS} on a CPU)")
+    parser.add_argument("--probes", type=int, default=None,
+                        help="Jacobians: 0 exact, K >= 2 random probes (default: exact when d <= 512, else 16)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the Jacobian positions and probes")
+    model_io.add_threads_argument(parser)
+    return parser
+
+
+def read_config(model_path: str) -> dict:
+    config = model_io.read_local_config(model_path)
+    if config is None:  # a hub id (check_model_path has asked for it already)
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_path).to_dict()
+    return config
+
+
+def not_causal_reason(config: dict) -> str | None:
+    """Why a config is not a decoder-only causal LM, or None. Ours always are."""
+    if "norm_type" in config:
+        return None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.get("is_encoder_decoder"):
+        return "it is an encoder-decoder model"
+    architectures = config.get("architectures") or []
+    if architectures and not set(architectures) & set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
+        return f"its architectures ({', '.join(architectures)}) include no causal LM"
+    if not architectures and config.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return f"model_type {config.get('model_type')!r} has no causal LM class"
+    return None
+
+
+def token_windows(parser, tokenizer, source, max_seq_len: int, num_tokens: int, flag: str) -> list[list[int]]:
+    """The windows of the first num_tokens tokens of the text; a text shorter than one window is a one-line error."""
+    try:
+        windows = list(model_io.token_windows(tokenizer, model_io.iter_documents(source), max_seq_len, num_tokens))
+    except ValueError as err:
+        model_io.bad_input(parser, str(err))
+    total = sum(len(window) for window in windows)
+    if total < max_seq_len and total < num_tokens:
+        model_io.bad_input(parser, f"{flag}: the text has {total} tokens, shorter than the model's {max_seq_len}-"
+                                   "token context")
+    return windows
+
+
+def prefix(windows: list[list[int]], num_tokens: int) -> list[list[int]]:
+    """The first num_tokens tokens of the windows (the last window cut short)."""
+    kept, remaining = [], num_tokens
+    for window in windows:
+        if remaining <= 0:
+            break
+        kept.append(window[:remaining])
+        remaining -= len(kept[-1])
+    return kept
+
+
+def text_flag(args) -> str:
+    return "--text_file" if args.text_file else "--dataset"
+
+
+def check_args(parser, args) -> tuple[list[tuple[str, str]], torch.device, torch.dtype, tuple]:
+    """Every bad input is one line and exit 2 before any model is loaded."""
+    model_io.check_positive(parser, args, "batch_size")
+    model_io.check_positive_or_none(parser, args, "max_seq_len", "num_tokens", "removal_tokens", "jacobian_tokens")
+    if args.probes is not None and (args.probes < 0 or args.probes == 1):
+        parser.error(f"--probes: must be 0 (exact) or at least 2 (a standard error needs 2), got {args.probes}")
+    labels = args.label or [Path(path.rstrip("/")).name or path for path in args.model_path]
+    if len(labels) != len(args.model_path):
+        parser.error(f"--label: got {len(labels)} labels for {len(args.model_path)} --model_path")
+    if len(set(labels)) != len(labels):
+        parser.error(f"--label: labels must be distinct, got {labels}")
+    model_io.apply_threads(parser, args)
+    device, dtype, source = model_io.resolve_run_settings(parser, args)
+    for path in args.model_path:
+        model_io.check_model_path(parser, path)
+        reason = not_causal_reason(read_config(path))
+        if reason:
+            model_io.bad_input(parser, f"--model_path: {path} is not a causal LM ({reason})")
+    on_cpu = device.type == "cpu"
+    model_io.resolve_num_tokens(args, device, "depth_report")
+    if args.removal_tokens is None:
+        args.removal_tokens = CPU_REMOVAL_TOKENS if on_cpu else GPU_REMOVAL_TOKENS
+    if args.jacobian_tokens is None:
+        args.jacobian_tokens = CPU_JACOBIAN_TOKENS if on_cpu else GPU_JACOBIAN_TOKENS
+    return list(zip(labels, args.model_path)), device, dtype, source
+
+
+def analyse(parser, args, label: str, model_path: str, device, dtype, source) -> dict:
+    started = time.perf_counter()
+    model, tokenizer = model_io.load_model_and_tokenizer(model_path, dtype, device, args.tokenizer)
+    try:
+        layers = model_io.decoder_layers(model)
+        final_readout(model)
+    except ValueError as err:
+        model_io.bad_input(parser, f"--model_path: {model_path} is not a decoder the report can read ({err})")
+    max_seq_len = model_io.resolve_context_length(model, args.max_seq_len, fallback=model_io.HUB_STREAM_WINDOW)
+    longest = max(args.num_tokens, args.removal_tokens)
+    windows = token_windows(parser, tokenizer, source, max_seq_len, longest, text_flag(args))
+    stream_windows, removal_windows = prefix(windows, args.num_tokens), prefix(windows, args.removal_tokens)
+    pad_id = tokenizer.pad_token_id
+    stream = measure_stream(model, model_io.padded_batches(stream_windows, args.batch_size, pad_id),
+                            sum(map(len, stream_windows)), desc=f"{label}: stream")
+    removal = measure_removal(model, list(model_io.padded_batches(removal_windows, args.batch_size, pad_id)),
+                              desc=f"{label}: removal")
+    jacobian = jacobian_summary(model, windows, args.jacobian_tokens, probes=args.probes, seed=args.seed,
+                                desc=f"{label}: jacobian")
+    hidden_size = model.get_input_embeddings().weight.shape[1]
+    probes = jacobian[0].get("rel_identity_dev_se") is not None
+    result = dict(label=label, model_path=model_path, num_layers=len(layers), hidden_size=hidden_size,
+                  max_seq_len=max_seq_len, removal_tokens=sum(map(len, removal_windows)),
+                  jacobian_tokens=min(args.jacobian_tokens, sum(map(len, windows))),
+                  jacobian_method=("probes" if probes else "exact"), jacobian=jacobian, **stream, **removal)
+    result["summary"] = summarise(result)
+    result["seconds"] = time.perf_counter() - started
+    if result["num_tokens"] < args.num_tokens:
+        print(f"[depth_report] {label}: the text has only {result['num_tokens']} tokens (asked for {args.num_tokens})",
+              file=sys.stderr)
+    return result
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    models, device, dtype, source = check_args(parser, args)
+    source_name = "C4 en validation" if source[0] == "c4" else str(source[1])
+    machine = cpu_model_name() if device.type == "cpu" else torch.cuda.get_device_name(device)
+    settings = {"models": ", ".join(f"{label} = `{path}`" for label, path in models), "text": f"`{source_name}`",
+                "stream tokens (angular, block influence, variance, update ratio, logit lens)": f"{args.num_tokens:,}",
+                "removal tokens (the first of the same windows)": f"{args.removal_tokens:,}",
+                "Jacobian tokens (sampled from the same windows)": f"{args.jacobian_tokens}",
+                "window": "each model's trained context (--max_seq_len overrides)" if args.max_seq_len is None
+                else f"{args.max_seq_len} tokens", "dtype": str(dtype).replace("torch.", ""),
+                "device": f"{device.type} ({machine}, {torch.get_num_threads()} threads)",
+                "host": platform.node()}
+    print("[depth_report] settings:\n" + "\n".join(f"  {name}: {value}" for name, value in settings.items()),
+          file=sys.stderr)
+    results = [analyse(parser, args, label, path, device, dtype, source) for label, path in models]
+    settings["wall time"] = " + ".join(f"{result['seconds']:.0f} s ({result['label']})" for result in results)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    title = f"{', '.join(label for label, _ in models)} on {Path(source_name).name}"
+    panel = plot_panel(results, out / "depth_report.png", title)
+    (out / "depth_report.json").write_text(json.dumps(dict(settings=settings, models=results), indent=1))
+    written = [write_report(results, settings, out / "report.md", panel), panel, out / "depth_report.json",
+               write_csv(results, out / "depth_report.csv")]
+    for result in results:
+        print(f"[depth_report] {result['label']}:\n  " + "\n  ".join(sentences(result)))
+    for path in written:
+        print(f"wrote {path}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
