@@ -287,12 +287,23 @@ PER_ARM_COLUMNS = {"angular_deep": "deep d(l,l+1)", "removal_deep": "deep remova
                    "bi_deep": "deep block influence", "variance_growth": "variance growth"}
 
 
+def per_arm_verdicts(records, arms: list[Arm]) -> dict[str, dict[str, verdicts.Verdict]]:
+    """{arm: {reference: its eval loss against the reference}}, against Pre-LN and LNS where they have records
+    (Pre-LN against LNS is the study's first verdict, so it is left out here)."""
+    references = [name for name in ("pre", "lns") if any(r["arm"] == name for r in records.values())]
+    return {arm.name: {reference: loss_verdict(records, reference, arm.name, f"{arm.label} reaches a lower eval loss "
+                                               f"than {ARM_BY_NAME[reference].label}")
+                       for reference in references if arm.name != reference and (arm.name, reference) != ("pre", "lns")}
+            for arm in arms}
+
+
 def per_arm_table(records, arms: list[Arm], planned_seeds: dict[str, int] | None = None) -> str:
     """One row per arm: eval loss, its paired effect against Pre-LN and against LNS, and the deep-layer measures.
 
     `planned_seeds` (arm -> the budget's seed count) lets a partial study count an arm's unrun seeds; without it an
     arm's seeds are the ones it has records for."""
     references = [name for name in ("pre", "lns") if any(r["arm"] == name for r in records.values())]
+    against = per_arm_verdicts(records, arms)
     taken = engine.measures_in(records)  # a later measure only where some record has it
     columns = {m: title for m, title in PER_ARM_COLUMNS.items() if m in taken}
     rows = []
@@ -314,15 +325,13 @@ def per_arm_table(records, arms: list[Arm], planned_seeds: dict[str, int] | None
             elif reference == "lns" and arm.name == "pre":
                 cells.append("(see LNS against Pre-LN)")
             else:
-                label = ARM_BY_NAME[reference].label
-                cells.append(effect_text(loss_verdict(records, reference, arm.name,
-                                                      f"{arm.label} reaches a lower eval loss than {label}")))
+                cells.append(effect_text(against[arm.name][reference]))
         for measure in columns:
             measured = [x for x in values(records, arm.name, measure).values() if x is not None]
             cells.append(f"{sum(measured) / len(measured):.4f}" if measured else "n/a")
         rows.append("| " + " | ".join(cells) + " |")
-    against = " | ".join(f"eval loss − {ARM_BY_NAME[r].label} [95% CI], agreeing" for r in references)
-    return (f"| arm | eval loss (mean) | finished/seeds | {against} | {' | '.join(columns.values())} |\n|"
+    header = " | ".join(f"eval loss − {ARM_BY_NAME[r].label} [95% CI], agreeing" for r in references)
+    return (f"| arm | eval loss (mean) | finished/seeds | {header} | {' | '.join(columns.values())} |\n|"
             + "---|" * (3 + len(references) + len(columns)) + "\n" + "\n".join(rows))
 
 
@@ -461,17 +470,20 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
     if len(all_verdicts) == 2:
         sections.append(precision_section(records, *all_verdicts.values(), fp32_label))
     table_arms = [a for a in arms if a.name in present and a.group in ("core", "norms", "rivals", "recent")]
-    table = ""
+    table, per_arm, embedding_init = "", {}, {}
     if "pre" in present:
         png = plot_per_arm(records, table_arms, out / f"per_arm{suffix}.png")
         planned = {arm.name: len(s[SEED_KEYS[arm.group]]) for arm in table_arms}
         table = per_arm_table(records, table_arms, planned) + f"\n\n![every arm]({png.name})"
+        per_arm = {arm: {reference: v.as_dict() for reference, v in against.items()}
+                   for arm, against in per_arm_verdicts(records, table_arms).items()}
     if {"pre_embed_ref", "lns_embed_ref", "pre", "lns"} <= present:
         gap_ref = verdicts.judge_seeds("LNS reaches a lower eval loss than Pre-LN with the reference's embedding "
                                        "std 0.632", -1, values(records, "pre_embed_ref", "eval_loss"),
                                        values(records, "lns_embed_ref", "eval_loss"), ("Pre-LN", "LNS"))
         sections.append("### Embedding init (std 0.02 against the uploaded reference code's 0.632)\n\n"
                         f"- {gap_ref.line()}\n- (with std 0.02, see the first verdict above)")
+        embedding_init = {"embedding_init_std_0.632": gap_ref.as_dict()}
 
     steps_info = engine.evenly_spaced_steps(s["steps"], s["dynamics_points"])
     tokens = s["steps"] * s["batch_size"] * s["max_length"]
@@ -568,7 +580,8 @@ Raw numbers: one JSON record per run in `runs/` (flags, eval curve, every analys
     summary = dict(budget=args.budget, settings=s, verdicts={k: [v.as_dict() for v in vs]
                                                              for k, vs in all_verdicts.items()},
                    runs=sorted(records), missing=[spec.name for spec in skipped],
-                   arms_without_records=[arm.name for arm in unstarted])
+                   arms_without_records=[arm.name for arm in unstarted],
+                   **({"per_arm_eval_loss": per_arm} if per_arm else {}), **embedding_init)
     return engine.write_report_files(out, text, summary, suffix)
 
 
