@@ -115,3 +115,21 @@ def test_the_check_catches_a_drifted_interval():
     drifted = f"{effect:+.3f} [{low - 0.002:+.3f}, {high:+.3f}]"
     assert unmatched(drifted, [report]) == [drifted]
     assert unmatched("grows by 12.345 nats", [report]) == ["12.345"]
+
+
+def study_section_paragraphs(heading: str) -> list[tuple[str, list[str]]]:
+    """docs/study.md's section under `heading`: each paragraph with every report the section links to."""
+    text = (REPO / "docs" / "study.md").read_text()
+    section = text.split(f"\n## {heading}\n")[1].split("\n## ")[0]
+    reports = ["docs/" + link for link in re.findall(r"\]\(([^)#]*report[^)#]*\.md)", section)]
+    return [(part, reports) for part in re.split(r"\n\s*\n|\n(?=- )", section) if DECIMAL.search(part)]
+
+
+STUDY_SECTIONS = ["What the depth sweep found", "What the width sweep found"]
+
+
+@pytest.mark.parametrize("heading", STUDY_SECTIONS)
+def test_every_number_in_the_study_sweep_findings_is_in_a_report_they_cite(heading):
+    missing = [(paragraph[:60], unmatched(paragraph, reports))
+               for paragraph, reports in study_section_paragraphs(heading)]
+    assert [entry for entry in missing if entry[1]] == []

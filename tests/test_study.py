@@ -632,7 +632,11 @@ def test_depth_sweep_rivals_train_at_their_depths_and_are_judged_against_pre_ln_
                 records[f"L{depth}-{arm}-seed{seed}"] = record(f"L{depth}-{arm}", seed, loss + 0.01 * seed,
                                                                gap + 0.001 * seed * (arm == "gpas"))
     found = {v.claim: v for v in depth_sweep.rival_verdicts(args, records)}
-    assert len(found) == 2 * 2 * 3
+    assert len(found) == 2 * 2 * 5 + 2  # per depth and rival: loss vs Pre-LN and LNS, identity gap, variance x2
+    growth = found["BHyT gains on LNS from L=24 to L=48 (change in BHyT − LNS eval loss)"]
+    assert growth.effect == pytest.approx(0.0) and growth.n_pairs == 3  # the crafted losses ignore depth
+    variance = found["L=48: GPAS holds the variance growth below LNS's (log ratio)"]
+    assert variance.scale == "log ratio" and variance.effect == pytest.approx(0.0)
     gpas_loss = found["L=48: GPAS reaches a lower eval loss than Pre-LN (GPAS − Pre-LN)"]
     assert gpas_loss.effect == pytest.approx(-0.2) and gpas_loss.status == verdicts.REPRODUCED
     bhyt_loss = found["L=24: BHyT reaches a lower eval loss than LNS (BHyT − LNS)"]

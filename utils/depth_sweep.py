@@ -445,6 +445,22 @@ def rival_verdicts(args, records) -> list[verdicts.Verdict]:
                 f"L={depth}: {label}'s deep blocks stay farther from the identity than Pre-LN's ({label} − Pre-LN "
                 "deep ‖J − I‖/√d)", +1, engine.by_seed(records, axis.arm(depth, "pre"), "jacobian_deep"),
                 engine.by_seed(records, rival, "jacobian_deep"), ("Pre-LN", label)))
+            for baseline in ("pre", "lns"):  # each fix claims to keep the stream's variance in check
+                found.append(verdicts.judge_seeds(
+                    f"L={depth}: {label} holds the variance growth below {NORMS[baseline]}'s (log ratio)", -1,
+                    engine.by_seed(records, axis.arm(depth, baseline), "variance_growth"),
+                    engine.by_seed(records, rival, "variance_growth"), (NORMS[baseline], label), log_ratio=True))
+    depths = [d for d in s.get("rival_depths", ()) if d in s["depths"]]
+    for norm in s.get("rival_norms", ()) if len(depths) >= 2 else ():
+        label = RIVAL_NORMS[norm]
+        shallow, deep = ({seed: loss - engine.by_seed(records, axis.arm(depth, "lns"), "eval_loss").get(seed)
+                          for seed, loss in engine.by_seed(records, axis.arm(depth, norm), "eval_loss").items()
+                          if loss is not None
+                          and engine.by_seed(records, axis.arm(depth, "lns"), "eval_loss").get(seed) is not None}
+                         for depth in (depths[0], depths[-1]))
+        found.append(verdicts.judge_seeds(
+            f"{label} gains on LNS from L={depths[0]} to L={depths[-1]} (change in {label} − LNS eval loss)", -1,
+            shallow, deep, (f"L={depths[0]}", f"L={depths[-1]}")))
     return found
 
 
