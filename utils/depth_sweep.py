@@ -145,7 +145,7 @@ def train_flags(args, depth: int, steps: int, warmup: int, eval_every: int, conf
     config = config or depth_config(args, depth)
     return ("--model_config", config, *engine.dataset_flags(s),
             "--packing", "--max_length", str(s["max_length"]), "--batch_size", str(s["batch_size"]),
-            "--total_batch_size", str(s["batch_size"]), "--lr", s["lr"], "--warmup_steps", str(warmup),
+            "--total_batch_size", str(s["batch_size"]), "--lr", s.get("lr", "1e-3"), "--warmup_steps", str(warmup),
             "--num_training_steps", str(steps), "--eval_every", str(eval_every), "--eval_tokens",
             str(s["eval_tokens"]), "--grad_clipping", "1.0", "--weight_decay", "0", "--optimizer", "adam",
             "--workers", "0", "--device", args.device, "--dtype", "float32")
