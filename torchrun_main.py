@@ -509,7 +509,7 @@ class Run:
             share = targets[micro] / update_targets
             with grad_sync(self.train_model, micro == args.gradient_accumulation - 1):
                 with self.autocast():
-                    loss = self.train_model(**batch).loss
+                    loss = self.train_model(**batch, head_loss=args.loss).loss
                 (loss * (share * world_size)).backward()  # DDP and FSDP average gradients over the ranks
             loss_sum += loss.detach().double() * share
         # One small all-reduce per update: the token-weighted mean loss, the tokens of all ranks, and whether any

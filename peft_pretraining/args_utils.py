@@ -16,6 +16,7 @@ import torch
 from peft_pretraining import run_folder
 from peft_pretraining.cli import OneLineErrorParser
 from peft_pretraining.distributed import DEFAULT_TIMEOUT_MINUTES
+from peft_pretraining.head_losses import HEAD_LOSSES, liger_import_error
 from peft_pretraining.modeling_llama import (
     DEEPNORM_INITS,
     DEFAULT_COMPLETEP_ALPHA,
@@ -172,6 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
     system.add_argument("--compile", action="store_true",
                         help="run the wrapped model through torch.compile (the paper's GPU recipes pass it; see "
                              "utils/benchmark_model.py)")
+    system.add_argument("--loss", type=str.lower, default="standard", choices=HEAD_LOSSES,
+                        help="how the lm_head's loss is computed, the same function each way "
+                             "(peft_pretraining/head_losses.py): standard (full logits), chunked (a chunk of logits "
+                             "at a time, recomputed in backward) or liger (liger-kernel, CUDA only). Standard until "
+                             "utils/gpu_check.sh's losses stage has measured them on a GPU")
     system.add_argument("--no_compile", dest="compile", action="store_false",
                         help="eager, overriding an earlier --compile (run_*.sh compile by default on CUDA)")
     system.add_argument("--dist_timeout_minutes", type=float, default=DEFAULT_TIMEOUT_MINUTES,
@@ -394,6 +400,12 @@ def check_args(args, parser, world_size: int):
         parser.error(f"--device must be auto, cpu or cuda, got {args.device!r}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible")
+    if args.loss == "liger":
+        if args.device == "cpu" or not torch.cuda.is_available():
+            parser.error("--loss liger: liger-kernel's fused loss runs on CUDA only (chunked saves the same memory "
+                         "on the CPU)")
+        if liger_import_error():
+            parser.error(f"--loss liger: {liger_import_error()}; pip install liger-kernel")
 
     if args.run_name is None:
         stem = os.path.splitext(os.path.basename(args.model_config))[0].removeprefix("llama_")

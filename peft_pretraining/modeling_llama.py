@@ -787,13 +787,19 @@ class LlamaForCausalLM(LlamaPreTrainedModel, GenerationMixin):
         self.lm_head = value
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, output_hidden_states: bool | None = None, **unused):
+                labels: torch.Tensor | None = None, output_hidden_states: bool | None = None,
+                head_loss: str = "standard", **unused):
         # **unused absorbs generation/lm-eval extras (use_cache, past_key_values, ...): this model keeps no KV cache.
         # Inputs that would change the result are refused rather than dropped.
         for name in ("inputs_embeds", "position_ids"):
             if unused.get(name) is not None:
                 raise ValueError(f"{name} is not supported: pass input_ids; positions are 0 .. T-1 in every row")
         hidden, hidden_states = self.model(input_ids, attention_mask, bool(output_hidden_states))
+        if labels is not None and head_loss != "standard":  # the trainer's --loss: the same loss, no full logits
+            from peft_pretraining.head_losses import head_loss as loss_without_logits  # not in a checkpoint's copy
+
+            return CausalLMOutput(loss=loss_without_logits(hidden, self.lm_head.weight, labels, head_loss),
+                                  hidden_states=hidden_states)
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:

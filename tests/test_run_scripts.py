@@ -134,21 +134,23 @@ def test_run_tiny_without_a_norm_type_is_bad_input():
         "run_tiny.sh: error: usage: bash run_tiny.sh NORM_TYPE [POST_NUM] [extra torchrun_main.py flags]"]
 
 
-def test_benchmark_gpus_chunked_loss_is_the_models_loss():
-    """A loss variant the GPU benchmark measures must be the same function before it can be adopted: chunks of 7
-    tokens (the last one short), recomputed in backward, give the model's loss and gradients in fp32."""
+def test_the_chunked_loss_is_the_models_loss(monkeypatch):
+    """A --loss the GPU check measures must be the same function before it can be adopted: chunks of 7 tokens (the
+    last one short), recomputed in backward, give the model's loss and gradients in fp32, through the model's
+    forward as the trainer calls it."""
     import torch
 
+    from peft_pretraining import head_losses
     from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config
-    from utils import benchmark_gpu
 
+    monkeypatch.setattr(head_losses, "CHUNK_TOKENS", 7)
     torch.manual_seed(0)
     model = LlamaForCausalLM(build_config(REPO / "configs/llama_tiny.json"))
     tokens = torch.randint(3, 1000, (2, 11))
     results = []
     for loss in ("standard", "chunked"):
         model.zero_grad()
-        value = benchmark_gpu.lm_loss(model, tokens, loss, chunk_tokens=7)
+        value = model(input_ids=tokens, labels=tokens, head_loss=loss).loss
         value.backward()
         results.append((value.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
     (standard, standard_grads), (chunked, chunked_grads) = results
