@@ -46,6 +46,9 @@ NORM_LABELS = {**NORMS, **RIVAL_NORMS}
 # docs/depth_sweep/runs): L=6 4.5, L=12 6.5, L=24 9.2, L=48 16.5 run-minutes, so L=96 takes about 35: the four
 # depths of the default fit in 2 hours on 2 cores, and L=96 is the `deep` extension, which shares the default's records.
 BASE_CONFIG = "configs/llama_tiny.json"
+# 16 x 128-token updates of the Wikipedia budgets: one pass, below SINGLE_PASS_UPDATES at every seed, and a multiple
+# of 1,500 so that the analyses (thirds) fall on the 500-update saves and evals.
+WIKIPEDIA_STEPS = 10_500
 BUDGETS = {
     "default": dict(depths=(6, 12, 24, 48), steps=400, warmup=40, lr="1e-3", batch_size=16, max_length=128,
                     eval_tokens=32_768, seeds=(1, 2, 3), dynamics_points=3, stream_tokens=8_192,
@@ -57,11 +60,20 @@ BUDGETS = {
     # GPAS and BHyT beside the default's Pre-LN and LNS at L = 24 and 48 (same records folder)
     "rivals": dict(rival_norms=tuple(RIVAL_NORMS), rival_depths=(24, 48), report_suffix="_rivals"),
     "long": dict(steps=1200, warmup=120, out="docs/depth_sweep_long", runs_dir="runs/depth_sweep_long"),
+    # Issue 47: the Wikipedia articles (many authors, 28.7M tokens), at most one pass, where depth may pay. The budget
+    # stays below the update at which the stream first repeats an article (wikipedia_corpus.SINGLE_PASS_UPDATES);
+    # it saves every 500 updates so that a run stopped mid-way resumes there, and evaluates on 131k held-out tokens
+    # every 500. The analyses read 32k validation tokens and 8 whole articles (about 37k tokens) for the removals.
+    "wikipedia": dict(dataset="wikipedia", vocab_size=4096, steps=WIKIPEDIA_STEPS, warmup=WIKIPEDIA_STEPS // 10,
+                      eval_tokens=131_072, eval_every=500, save_every=500, stream_tokens=32_768, removal_documents=8,
+                      first_depths=(12, 24), out="docs/depth_sweep_wikipedia", runs_dir="runs/depth_sweep_wikipedia"),
     "quick": dict(depths=(2, 4), steps=4, warmup=1, batch_size=4, max_length=64, eval_tokens=512, seeds=(1, 2),
                   dynamics_points=2, stream_tokens=256, jacobian_tokens=2, jacobian_probes=0, removal_documents=2,
                   out="runs/depth_sweep_quick/report", runs_dir="runs/depth_sweep_quick", probe_steps=8,
                   probe_warmup=1, probe_eval_every=2, rival_norms=tuple(RIVAL_NORMS), rival_depths=(4,)),
 }
+# The pilot: seed 1 of the Wikipedia sweep (its records are the sweep's), L = 12 and 24 first: does depth pay?
+BUDGETS["wikipedia_pilot"] = dict(BUDGETS["wikipedia"], seeds=(1,), report_suffix="_pilot")
 PREDICTIONS = [
     # (the paper's prediction, norm type, measure, expected sign of d(measure)/d(ln L), log-transform the measure)
     ("Pre-LN's variance growth rises with depth", "pre", "variance_growth", +1, True),
