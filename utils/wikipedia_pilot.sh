@@ -6,7 +6,9 @@
 #   nohup bash utils/wikipedia_pilot.sh > /work/wikipedia_pilot.log 2>&1 &     # the pilot: seed 1, L = 12, 24 first
 #   nohup bash utils/wikipedia_pilot.sh wikipedia > /work/wikipedia_sweep.log 2>&1 &   # the 3-seed sweep
 #
-# To stop it cleanly, send SIGTERM to the trainer (torchrun_main.py): it saves and exits, and so does the sweep.
+# Run it with the project's Python environment active. To stop it, end this script and the depth_sweep.py under it
+# first (kill PID), then the trainer (torchrun_main.py), which saves on SIGTERM before it exits; ended in the other
+# order, the sweep would start its next run. A run killed without its save resumes from the one before (<= 500 updates).
 # float32, eager: on a CPU without bf16 instructions --dtype mixed is about 3x slower (docs/study.md).
 set -u
 cd "$(dirname "$0")/.." || exit 1
