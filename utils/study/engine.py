@@ -402,7 +402,7 @@ def run_job(spec: RunSpec, settings: AnalysisSettings, runs_dir: Path, records_d
     flags_file, results_file = run_dir / "study_flags.json", run_dir / "results.json"
     seconds_file = run_dir / "study_seconds.txt"
     same_flags = not fresh and flags_file.is_file() and json.loads(flags_file.read_text()) == spec.flags()
-    reuse_training = same_flags and results_file.is_file()
+    reuse_training = same_flags and training_ended(results_file)
     log_dir = runs_dir / "logs"
     if not reuse_training:
         from peft_pretraining.run_folder import find_checkpoint
@@ -454,6 +454,12 @@ def run_job(spec: RunSpec, settings: AnalysisSettings, runs_dir: Path, records_d
         for checkpoint in run_dir.glob("model_*"):
             shutil.rmtree(checkpoint, ignore_errors=True)
     return dict(record, reused="training" if reuse_training else "no")
+
+
+def training_ended(results_file: Path) -> bool:
+    """Whether a run folder's training is over: it finished or diverged. A run stopped by a signal (SIGTERM, the end
+    of a session) also writes results.json, with status "stopped", and resumes from its checkpoint instead."""
+    return results_file.is_file() and json.loads(results_file.read_text())["status"] != "stopped"
 
 
 def interrupted_seconds(run_dir: Path) -> float:
