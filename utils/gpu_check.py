@@ -253,7 +253,8 @@ def stage_fsdp_resume(check: Check, fixtures: Path):
 
 
 # The second call of a lease: utils/gpu_lease.sh width_sweep (keep these flags the same as its own)
-WIDTH_SWEEP = ["--budget", "gpu", "--device", "cuda", "--widths", "512", "768", "1024", "--no-compile", "--jobs", "6"]
+WIDTH_SWEEP = ["--budget", "gpu", "--device", "cuda", "--widths", "512", "768", "1024", "--runs_dir", "/tmp/width_runs",
+               "--no-compile", "--jobs", "6"]
 DEVICE_DISK_GB = 64 * 2**30 / 1e9  # the lent machine's disk
 
 

@@ -13,13 +13,28 @@ shift 2
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled
 if [[ $what == rehearse ]]; then
-    start=$(date +%s)
-    bash "$0" check "$out/check" --rehearse "$@"; check=$?
-    bash "$0" width_sweep "$out/width_sweep" --rehearse; sweep=$?
-    echo "gpu_lease.sh rehearse: check exit $check, width_sweep exit $sweep, $(( $(date +%s) - start )) s in all"
-    exit $(( check || sweep ))
+    start=$(date +%s) wheels=0
+    # The packages the image lacks come as the wheels of ../shared/tools/gpu_wheels.sh, at the pinned versions; the
+    # rehearsal installs none (they are the device's Python's), it checks that each is there.
+    if [[ -d .whl ]]; then
+        for pin in $(grep -ihE '^(transformers|tokenizers|datasets|lm_eval|liger-kernel)==' exp_requirements.txt \
+                     gpu_requirements.txt); do
+            name=${pin%%==*}
+            if ! compgen -G ".whl/${name//-/_}-${pin##*==}-*.whl" >/dev/null; then
+                echo "gpu_lease.sh rehearse: .whl has no wheel of $pin: run bash ../shared/tools/gpu_wheels.sh"
+                wheels=1
+            fi
+        done
+    else
+        echo "gpu_lease.sh rehearse: no .whl here; a lease carries the wheels of bash ../shared/tools/gpu_wheels.sh"
+    fi
+    GPU_LEASE_REHEARSAL=1 bash "$0" check "$out/check" --rehearse "$@"; check=$?
+    GPU_LEASE_REHEARSAL=1 bash "$0" width_sweep "$out/width_sweep" --rehearse; sweep=$?
+    echo "gpu_lease.sh rehearse: wheels $([[ $wheels == 0 ]] && echo ok || echo MISSING), check exit $check," \
+         "width_sweep exit $sweep, $(( $(date +%s) - start )) s in all"
+    exit $(( wheels || check || sweep ))
 fi
-if [[ -d .whl ]]; then
+if [[ -d .whl && -z ${GPU_LEASE_REHEARSAL:-} ]]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl >"$out/pip.log" 2>&1 || { echo "gpu_lease.sh: pip install failed (see pip.log)"; exit 1; }
     export PYTHONPATH=/tmp/site:$PWD
@@ -36,20 +51,21 @@ case $what in
         tar czf "$out/check_logs.tgz" -C "$out/check" --exclude fixtures --exclude runs . 2>/dev/null
         rm -rf "$out/check";;
     width_sweep)
-        # The GPU's widths and folders; --rehearse: the quick budget's tiny widths on the CPU, into OUT
-        sweep=(--budget gpu --device cuda --widths 512 768 1024 --runs_dir /tmp/width_runs)
+        # The GPU's command (utils/gpu_check.py's WIDTH_SWEEP plans from the same flags); --rehearse appends the
+        # CPU's (the last of a flag wins): the quick budget's tiny widths, in float32 (no bf16 instructions here),
+        # two jobs on two cores, checkpoints deleted as on a GPU, records into OUT
+        sweep=(--budget gpu --device cuda --widths 512 768 1024 --runs_dir /tmp/width_runs --no-compile --jobs 6)
         folder=docs/width_sweep_mixed_cuda
         if [[ ${1:-} == --rehearse ]]; then
             shift
             folder=$out/width_sweep_rehearsal
-            sweep=(--budget quick --device cpu --widths 16 32 --runs_dir "$out/width_runs" --out "$folder"
-                   --no-keep_checkpoints)
+            sweep+=(--budget quick --device cpu --widths 16 32 --runs_dir "$out/width_runs" --out "$folder"
+                    --no-keep_checkpoints --dtype float32 --jobs 2)
         fi
         (while sleep 20; do tar czf "$out/width_sweep_gpu.tgz.part" "$folder" 2>/dev/null \
             && mv "$out/width_sweep_gpu.tgz.part" "$out/width_sweep_gpu.tgz"; done) &
         saver=$!
-        python utils/width_sweep.py "${sweep[@]}" --no-compile --jobs 6 "$@" 2>&1 | tee "$out/width_sweep.log" \
-            | grep -v -i warn | tail -40
+        python utils/width_sweep.py "${sweep[@]}" "$@" 2>&1 | tee "$out/width_sweep.log" | grep -v -i warn | tail -40
         code=${PIPESTATUS[0]}
         kill $saver 2>/dev/null
         tar czf "$out/width_sweep_gpu.tgz" "$folder" 2>/dev/null; rm -f "$out/width_sweep_gpu.tgz.part";;
