@@ -5,6 +5,7 @@ Layer analyses (docs/analyses.md), on our checkpoints and on Hugging Face causal
     angular_analysis    angular distance between the residual stream at layer l and at layer l + n
     variance_analysis   variance and RMS of the residual stream at every depth
     jacobian_analysis   how far each block's Jacobian is from the identity
+    depth_report        every instrument above on the same tokens, with the logit lens and update ratio, in one report
     (layer removal is layer_remove.py at the repository root)
 
 Studies (docs/study.md), Pre-LN against LNS and the other placements, trained and measured end to end:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import platform
+import os
 import sys
 import time
 from pathlib import Path
@@ -52,7 +52,9 @@ from utils.variance_analysis import StreamStatistics
 # sweep runs the model L + 1 times, so it reads a quarter of the stream's tokens.
 GPU_STREAM_TOKENS, GPU_REMOVAL_TOKENS, GPU_JACOBIAN_TOKENS = 256 * 1024, 64 * 1024, 128
 # CPU defaults, sized so that SmolLM2-135M (30 layers, d = 576) takes at most 10 minutes on 2 cores (docs/analyses.md).
-CPU_STREAM_TOKENS, CPU_REMOVAL_TOKENS, CPU_JACOBIAN_TOKENS = 8192, 2048, 16
+# There, per token, the logit lens costs about 8 forward passes (31 read-outs into 49,152 words), removal 31 forward
+# passes, and one Jacobian token (16 probes, up to 256 positions) seconds.
+CPU_STREAM_TOKENS, CPU_REMOVAL_TOKENS, CPU_JACOBIAN_TOKENS = 2048, 512, 8
 # The report's thresholds. Cheap removal is the study's: the loss rises by less than 1% in perplexity.
 NEAR_IDENTITY = 0.1  # a block near the identity: ||J - I||_F / sqrt(d) below this, or an update below 10% of ||x||
 SETTLED_KL_NATS = 0.1  # the logit lens has settled from the first layer after which KL(final || layer) stays below
@@ -225,8 +227,8 @@ def summarise(result: dict) -> dict:
     )
 
 
-def layer_list(flags: list[bool]) -> str:
-    """0-based indices of the true entries, as compact ranges: '3-7, 9'."""
+def layer_list(flags: list[bool], lead: str) -> str:
+    """`lead` and the 0-based indices of the true entries as compact ranges ('3-7, 9'); '' when there are none."""
     indices = [index for index, flag in enumerate(flags) if flag]
     ranges = []
     for index in indices:
@@ -234,7 +236,7 @@ def layer_list(flags: list[bool]) -> str:
             ranges[-1][1] = index
         else:
             ranges.append([index, index])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges) or "none"
+    return lead + ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges) if ranges else ""
 
 
 def sentences(result: dict) -> list[str]:
@@ -243,13 +245,14 @@ def sentences(result: dict) -> list[str]:
     jacobian_near = [row["rel_identity_dev"] < NEAR_IDENTITY for row in result["jacobian"]]
     update_near = [ratio < NEAR_IDENTITY for ratio in result["update_ratio"]]
     settled = summary["lens_settled_depth"]
-    settled_text = (f"from layer {settled} of {num_layers} on ({settled / num_layers:.0%} of the depth)" if settled
-                    else "only at the last layer")
+    settled_text = (f"from layer {settled} of {num_layers} on ({settled / num_layers:.0%} of the depth)"
+                    if settled and settled < num_layers else "only at the last layer, where it is 0 by definition")
     return [
         f"**Removal.** {sum(cheap)} of {num_layers} layers ({summary['cheap_removal_fraction']:.0%}) are cheap to "
         f"remove: removing one alone raises the loss on these tokens by less than 1% in perplexity "
-        f"({CHEAP_REMOVAL_NATS:.4f} nats/token). They are layers {layer_list(cheap)} (0-based); the deep half costs "
-        f"{summary['removal_deep']:.4f} nats/token a layer on average, from a loss of "
+        f"({CHEAP_REMOVAL_NATS:.4f} nats/token){layer_list(cheap, ': layers ')}. The deep half costs "
+        f"{summary['removal_deep']:.4f} nats/token a layer on average"
+        f"{' (negative: removing one lowers the loss)' if summary['removal_deep'] < 0 else ''}, from a loss of "
         f"{result['removal_baseline_nats']:.3f}.",
         f"**Logit lens.** A token's top-1 prediction settles (agrees with the final layer's and stays) after layer "
         f"{result['prediction_depth_mean']:.1f} of {num_layers} on average ({summary['relative_prediction_depth']:.0%}"
@@ -257,10 +260,12 @@ def sentences(result: dict) -> list[str]:
         f"{result['prediction_depth_p90']:.0f}). The KL from the final distribution stays below {SETTLED_KL_NATS} "
         f"nats {settled_text}; over the deep half it averages {summary['lens_kl_deep']:.3f} nats.",
         f"**Near the identity.** {sum(jacobian_near)} of {num_layers} blocks "
-        f"({summary['near_identity_jacobian_fraction']:.0%}) have ‖J − I‖_F/√d below {NEAR_IDENTITY} (layers "
-        f"{layer_list(jacobian_near)}), and {sum(update_near)} ({summary['near_identity_update_fraction']:.0%}) "
-        f"add an update smaller than {NEAR_IDENTITY:.0%} of the stream they are added to (‖F(x)‖/‖x‖ < "
-        f"{NEAR_IDENTITY}; layers {layer_list(update_near)}).",
+        f"({summary['near_identity_jacobian_fraction']:.0%}) have ‖J − I‖_F/√d below {NEAR_IDENTITY}"
+        f"{layer_list(jacobian_near, ': layers ')}, and {sum(update_near)} "
+        f"({summary['near_identity_update_fraction']:.0%}) add an update smaller than {NEAR_IDENTITY:.0%} of the "
+        f"stream they are added to (‖F(x)‖/‖x‖ < {NEAR_IDENTITY}){layer_list(update_near, ': layers ')}; over the "
+        f"deep half ‖J − I‖_F/√d averages {summary['jacobian_deep']:.3f} and ‖F(x)‖/‖x‖ "
+        f"{summary['update_ratio_deep']:.3f}.",
     ]
 
 
@@ -309,8 +314,10 @@ def plot_panel(results: list[dict], path: Path, title: str) -> Path:
                     linewidth=1.2, label=result["label"])
         if key == "removal_cost":
             ax.axhline(CHEAP_REMOVAL_NATS, color="grey", linestyle=":", linewidth=1)
-        if scale == "symlog":
+        if scale == "symlog":  # removal can help (a negative cost) and the lens's last KL is 0
             ax.set_yscale("symlog", linthresh=1e-3)
+            if min(min(per_layer(result, key)) for result in results) >= 0:
+                ax.set_ylim(bottom=0)
         else:
             ax.set_yscale(scale)
         ax.set_title(row_title, fontsize=9, loc="left")
@@ -505,7 +512,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = build_parser()
     args = parser.parse_args(argv)
     models, device, dtype, source = check_args(parser, args)
-    source_name = "C4 en validation" if source[0] == "c4" else str(source[1])
+    source_name = "C4 en validation" if source[0] == "c4" else os.path.relpath(source[1])
     machine = cpu_model_name() if device.type == "cpu" else torch.cuda.get_device_name(device)
     settings = {"models": ", ".join(f"{label} = `{path}`" for label, path in models), "text": f"`{source_name}`",
                 "stream tokens (angular, block influence, variance, update ratio, logit lens)": f"{args.num_tokens:,}",
@@ -513,8 +520,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "Jacobian tokens (sampled from the same windows)": f"{args.jacobian_tokens}",
                 "window": "each model's trained context (--max_seq_len overrides)" if args.max_seq_len is None
                 else f"{args.max_seq_len} tokens", "dtype": str(dtype).replace("torch.", ""),
-                "device": f"{device.type} ({machine}, {torch.get_num_threads()} threads)",
-                "host": platform.node()}
+                "device": f"{device.type} ({machine}), torch threads: {torch.get_num_threads()}, load average "
+                          f"at the start: {os.getloadavg()[0]:.1f}"}
     print("[depth_report] settings:\n" + "\n".join(f"  {name}: {value}" for name, value in settings.items()),
           file=sys.stderr)
     results = [analyse(parser, args, label, path, device, dtype, source) for label, path in models]
