@@ -199,16 +199,18 @@ def main(argv=None):
                     row["mfu"] = round(row["model_tflops_per_s"] / peak, 3) if peak else None
                     if reference is not None:
                         row["fp32_loss"] = round(reference, 5)
-                except torch.OutOfMemoryError:
+                except Exception as err:  # out of memory, or a loss that fails on this GPU: the other rows go on
+                    error = "out of memory" if isinstance(err, torch.OutOfMemoryError) else \
+                        f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
                     row = {"config": Path(path).name, "dtype": dtype, "compiled": mode == "compiled",
-                           "batch": batch, "loss": loss, "error": "out of memory"}
+                           "batch": batch, "loss": loss, "error": error}
                 if args.device == "cuda":
                     torch.cuda.empty_cache()
                 row.update(device=device_name, peak_tflops=peak)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+                if args.json:  # after every row: a call cut at its limit keeps the rows measured
+                    Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
 
 
 if __name__ == "__main__":
