@@ -11,6 +11,7 @@ Layer analyses (docs/analyses.md), on our checkpoints and on Hugging Face causal
 Studies (docs/study.md), Pre-LN against LNS and the other placements, trained and measured end to end:
     compare_norms       the CPU-scale study: every placement on one budget, with every instrument
     depth_sweep         the same at several depths; width_sweep at several widths
+    wikipedia_pilot.sh  the depth sweep on the Wikipedia corpus, one lane, each record committed as it lands
     study/              their engine: study/engine.py (runs, records, analyses, reports) and study/verdicts.py
                         (paired verdicts on the paper's claims, with an effect and its 95% interval)
 
