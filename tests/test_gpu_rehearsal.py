@@ -71,3 +71,12 @@ def test_a_benchmark_row_that_fails_is_recorded_and_the_others_still_measure(tmp
     assert "error" not in rows[0] and rows[0]["fp32_loss"] == 9.0
     assert rows[1]["error"] == "RuntimeError: a kernel that fails"
     assert gpu_check.fastest(rows) == rows[0]
+
+
+def test_the_loss_choice_is_the_fastest_within_tolerance_of_fp32():
+    rows = [{"loss": "standard", "tokens_per_s": 10, "first_loss": 10.40, "fp32_loss": 10.38},
+            {"loss": "chunked", "tokens_per_s": 12, "first_loss": 10.41, "fp32_loss": 10.38},
+            {"loss": "liger", "tokens_per_s": 15, "first_loss": 10.90, "fp32_loss": 10.38},  # 5% off: not the same
+            {"loss": "liger", "error": "out of memory"}]
+    assert gpu_check.loss_choice(rows) == "chunked"
+    assert gpu_check.loss_choice(rows[2:]) is None

@@ -174,8 +174,11 @@ def fastest(rows: list[dict]) -> dict | None:
     return max((row for row in rows if "tokens_per_s" in row), key=lambda row: row["tokens_per_s"], default=None)
 
 
-def loss_within_tolerance(row: dict) -> bool:
-    return abs(row["first_loss"] - row["fp32_loss"]) <= LOSS_TOLERANCE * abs(row["fp32_loss"])
+def loss_choice(rows: list[dict]) -> str | None:
+    """The fastest --loss whose first loss is within LOSS_TOLERANCE of the fp32 model's on the same tokens."""
+    within = [row for row in rows if "fp32_loss" in row
+              and abs(row["first_loss"] - row["fp32_loss"]) <= LOSS_TOLERANCE * abs(row["fp32_loss"])]
+    return fastest(within)["loss"] if within else None
 
 
 def stage_benchmark(check: Check, stage: str):
@@ -200,10 +203,11 @@ def stage_benchmark(check: Check, stage: str):
     if stage == "micro_batch" and fastest(rows):
         details["choice"] = f"micro-batch {fastest(rows)['batch']}"
     if stage == "losses":
-        within = [row for row in rows if "first_loss" in row and loss_within_tolerance(row)]
-        details["choice"] = fastest(within)["loss"] if within else None
-    check.record(stage, ok=proc is not None and proc.returncode == 0 and all("error" not in r for r in rows),
-                 seconds=time.perf_counter() - start, **details, rows=rows)
+        details["choice"] = loss_choice(rows)
+    # a micro-batch that does not fit is a measurement (the choice is the fastest that fits), not a failure
+    ok = proc is not None and proc.returncode == 0 and all(r.get("error", "out of memory") == "out of memory"
+                                                           for r in rows)
+    check.record(stage, ok=ok, seconds=time.perf_counter() - start, **details, rows=rows)
 
 
 def rehearsal_benchmark_flags(flags: list[str]) -> list[str]:
