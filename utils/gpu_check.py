@@ -1,18 +1,20 @@
 """The one-command GPU check: `bash utils/gpu_check.sh OUT_DIR` runs this file on one CUDA GPU.
 
 Stages, each under a time limit; a failed stage does not stop the others:
-    env          torch, CUDA, the GPU and the pinned packages
+    env          torch, CUDA, the GPU, the pinned packages, lm-eval and liger-kernel, the free disk
+    fixtures     the offline stand-ins of C4 and t5-base (utils/offline_fixtures.py)
     recipes      run_130m.sh and run_1b.sh, pre and lns, as shipped (compiled, pure bf16, one GPU: accumulation 8 and
                  16) for a few updates on the offline stand-ins of C4 and t5-base (utils/offline_fixtures.py)
-    eager_1b     the bare eager pure-bf16 1B step (utils/benchmark_gpu.py): the MLP width 5461, padded on CUDA
-    bare_steps   the bare compiled step of each recipe at its micro-batch: what the trainer can reach
     fsdp_resume  run_130m.sh --fsdp --dtype mixed --resume auto, stopped by SIGTERM after two updates (a sharded
                  save, exit 5), then the same command again: exit 0, and the loss goes on from where it stopped
-
+    bare_steps   the bare compiled step of each recipe at its micro-batch: what the trainer can reach
     micro_batch  the bare compiled 130M step at micro-batch 64, 128 and 256: the fastest that fits is the choice
     losses       the bare compiled 130M step with --loss standard, chunked and liger at the chosen micro-batch: the
                  choice is the fastest whose loss is within head_losses.LOSS_TOLERANCE of the fp32 model's (liger is
                  skipped, with the reason, where it does not import)
+    eager_1b     the bare eager pure-bf16 1B step (utils/benchmark_gpu.py): the MLP width 5461, padded on CUDA
+    width_sweep_plan  always, last: the width sweep's GPU runs left, the disk its widest run writes, the jobs the disk
+                 holds (utils/gpu_lease.sh width_sweep is that call)
 
 Writes OUT_DIR/gpu_check.md (the table, with the targets of issue 38) and OUT_DIR/gpu_check.json after every stage
 (a call cut at its limit keeps what finished), and a log per stage; prints each stage's seconds at the end.
@@ -51,7 +53,8 @@ RECIPE_SEQUENCES, RECIPE_LENGTH = 512, 256  # per update, as every run_*.sh
 FSDP_UPDATES = 6
 # --rehearse: every micro-batch and the total batch are divided by REHEARSAL_SHRINK, so accumulation is the GPU's
 REHEARSAL_SHRINK = 32
-# float32: a CPU without bf16 instructions (this project's) takes 8 s per tiny pure-bf16 update, 20x fp32's
+# float32: this project's CPU has no bf16 instructions, so bf16 is emulated there (docs/study.md: mixed about 3x
+# slower than float32); the recipes' pure-bf16 path is the GPU's own
 REHEARSAL_TRAINER = ["--device", "cpu", "--model_config", "configs/llama_tiny.json", "--max_length", "32",
                      "--total_batch_size", str(RECIPE_SEQUENCES // REHEARSAL_SHRINK), "--workers", "0",
                      "--eval_tokens", "512", "--dtype", "float32"]
