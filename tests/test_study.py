@@ -751,21 +751,18 @@ def test_comparative_depth_verdicts_tell_a_narrowing_gap_from_a_growing_ratio():
     assert words.startswith("**Depth pays here**") and summary["lowest_at"] == {"pre": 48, "lns": 48}
 
 
-@pytest.mark.parametrize("script", ["compare_norms", "depth_sweep", "width_sweep"])
-def test_a_study_runs_again_into_a_new_report_folder_over_the_same_runs(script, tmp_path):
+@pytest.mark.slow
+def test_a_study_runs_again_into_a_new_report_folder_over_the_same_runs(tmp_path):
     """Issue 46: a report folder moved or deleted, then the study run again over the same runs folder. The second
     invocation reuses the training and redoes the analysis cleanly (it was refused: layer_remove.py found its own
-    earlier sweep), and the analysis gives the same numbers."""
-    from utils import width_sweep
-
-    study = {"compare_norms": compare_norms, "depth_sweep": depth_sweep, "width_sweep": width_sweep}[script]
+    earlier sweep), and the analysis gives the same numbers. The depth sweep's first quick run, as a user runs it;
+    compare_norms and width_sweep go through the same engine.run_job (the next test covers all three)."""
     runs = tmp_path / "runs"
 
     def first_spec_into(report):
-        args = study.parse_args(["--quick", "--dtype", "float32", "--no-compile", "--out", str(report),
-                                 "--runs_dir", str(runs)])
-        specs = (study.run_specs(args, study.study_arms(args)) if study is compare_norms else study.run_specs(args))
-        records, skipped = engine.collect_records(args, specs[:1])
+        args = depth_sweep.parse_args(["--quick", "--dtype", "float32", "--no-compile", "--out", str(report),
+                                       "--runs_dir", str(runs)])
+        records, skipped = engine.collect_records(args, depth_sweep.run_specs(args)[:1])
         assert not skipped
         return next(iter(records.values()))
 
@@ -773,3 +770,33 @@ def test_a_study_runs_again_into_a_new_report_folder_over_the_same_runs(script, 
     again = first_spec_into(tmp_path / "b")
     assert (first["reused"], again["reused"]) == ("no", "training")
     assert again["analyses"] == first["analyses"] and again["final_eval_loss"] == first["final_eval_loss"]
+
+
+@pytest.mark.parametrize("script", ["compare_norms", "depth_sweep", "width_sweep"])
+def test_every_study_redoes_an_analysis_folder_left_by_an_earlier_invocation(script, tmp_path, monkeypatch):
+    """The mechanism of the test above for every study script, in process: each checkpoint's analysis folder is
+    scratch. A fake analysis refuses a folder that already holds a removal sweep, as layer_remove.py does."""
+    from utils import width_sweep
+
+    study = {"compare_norms": compare_norms, "depth_sweep": depth_sweep, "width_sweep": width_sweep}[script]
+    args = study.parse_args(["--quick", "--out", str(tmp_path / "report"), "--runs_dir", str(tmp_path / "runs")])
+    specs = study.run_specs(args, study.study_arms(args)) if study is compare_norms else study.run_specs(args)
+    settings = engine.analysis_settings(args.settings)
+    run_dir = tmp_path / "runs" / specs[0].name
+    for step in specs[0].analyse_steps:
+        (run_dir / f"model_{step}").mkdir(parents=True)
+
+    def refusing_analysis(checkpoint, settings, out_dir, log):
+        sweep = out_dir / "removal" / "layer_removal.json"
+        if sweep.exists():
+            raise SystemExit(f"--output_dir {sweep.parent} already holds a sweep")
+        sweep.parent.mkdir(parents=True)
+        sweep.write_text("{}")
+        return {"checkpoint": checkpoint.name}
+
+    monkeypatch.setattr(engine, "analyse_checkpoint", refusing_analysis)
+    command = ["--run_dir", str(run_dir), "--steps", *map(str, specs[0].analyse_steps), "--settings",
+               json.dumps(dataclasses.asdict(settings)), "--out_json", str(run_dir / "study_analyses.json")]
+    for _ in range(2):
+        assert engine._analyse_main(command) == 0
+    assert set(json.loads((run_dir / "study_analyses.json").read_text())) == {str(s) for s in specs[0].analyse_steps}
