@@ -28,8 +28,12 @@ if [[ $what == rehearse ]]; then
     else
         echo "gpu_lease.sh rehearse: no .whl here; a lease carries the wheels of bash ../shared/tools/gpu_wheels.sh"
     fi
+    # side by side: both are mostly single-threaded process start-ups here, so two cores take both at once
+    GPU_LEASE_REHEARSAL=1 bash "$0" width_sweep "$out/width_sweep" --rehearse >"$out/width_sweep.out" 2>&1 &
+    sweeping=$!
     GPU_LEASE_REHEARSAL=1 bash "$0" check "$out/check" --rehearse "$@"; check=$?
-    GPU_LEASE_REHEARSAL=1 bash "$0" width_sweep "$out/width_sweep" --rehearse; sweep=$?
+    wait $sweeping; sweep=$?
+    cat "$out/width_sweep.out"
     echo "gpu_lease.sh rehearse: wheels $([[ $wheels == 0 ]] && echo ok || echo MISSING), check exit $check," \
          "width_sweep exit $sweep, $(( $(date +%s) - start )) s in all"
     exit $(( wheels || check || sweep ))
