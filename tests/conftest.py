@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -26,3 +28,16 @@ def run_trainer(args, env=None, timeout=240, launcher=(sys.executable,)) -> subp
     env = dict(env if env is not None else os.environ, **ONE_THREAD)
     return subprocess.run([*launcher, "torchrun_main.py", *[str(arg) for arg in args]], cwd=REPO,
                           capture_output=True, text=True, env=env, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture
+def one_rank_group(monkeypatch):
+    """A test that builds a one-rank process group in process (init_distributed without torchrun) starts from no
+    rank variables, and whatever group it creates is torn down after it."""
+    import torch.distributed as dist
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -22,16 +22,6 @@ REPO = Path(__file__).resolve().parent.parent
 TINY = ["--model_config", "configs/llama_tiny.json", "--dataset", "embedded", "--batch_size", "4", "--device", "cpu"]
 
 
-@pytest.fixture
-def one_rank_group(monkeypatch):
-    """Whatever init_distributed creates is torn down after the test."""
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def default_group_timeout() -> datetime.timedelta:
     return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
 

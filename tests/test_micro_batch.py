@@ -16,15 +16,6 @@ TOTAL = 8
 RTOL = 1e-5  # fp32 summation order; rows are padded, so a plain mean of micro-batch means is off by far more
 
 
-@pytest.fixture
-def one_rank_group(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def one_update(tmp_path, micro_batch: int, extra=()) -> tuple[float, dict[str, torch.Tensor]]:
     """The loss and the gradients of the first update, taken by the trainer's Run at --batch_size micro_batch."""
     args = args_utils.parse_args([
