@@ -800,3 +800,16 @@ def test_every_study_redoes_an_analysis_folder_left_by_an_earlier_invocation(scr
     for _ in range(2):
         assert engine._analyse_main(command) == 0
     assert set(json.loads((run_dir / "study_analyses.json").read_text())) == {str(s) for s in specs[0].analyse_steps}
+
+
+def test_a_single_pass_budget_reports_no_overfitting_probe_and_says_why(tmp_path):
+    """The Wikipedia budget sees each token at most once: its report does not ask for the Austen corpus's
+    overfitting probe, and its set-up explains the budget by the single pass, not by the embedded corpus."""
+    args = depth_sweep.parse_args(["--budget", "wikipedia", "--report_only", "--out", str(tmp_path / "report"),
+                                   "--runs_dir", str(tmp_path / "runs")])
+    text, summary = depth_sweep.probe_section(args, None, tmp_path, "")
+    assert text.startswith("Not needed") and summary is None
+    assert "one pass" in depth_sweep.budget_reason(args.settings)
+    embedded = depth_sweep.parse_args(["--report_only", "--out", str(tmp_path / "e"), "--runs_dir", str(tmp_path)])
+    assert depth_sweep.probe_section(embedded, None, tmp_path, "")[0].startswith("Not measured yet")
+    assert "2,250 steps" in depth_sweep.budget_reason(embedded.settings)

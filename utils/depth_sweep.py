@@ -561,10 +561,24 @@ def plot_probe(probe: dict, budget_steps: int, path: Path) -> Path:
     return path
 
 
+def budget_reason(s: dict) -> str:
+    """The report's sentences on why the budget is what it is, for the embedded corpus or a single pass."""
+    if s.get("dataset", engine.DEFAULT_DATASET) != engine.DEFAULT_DATASET:
+        return ("At most one pass over the training split: the budget stays below the update at which the reader "
+                "first repeats an article, so no run sees a training token twice (docs/data.md).")
+    return ("The budget was chosen for time (four depths, three seeds). A run whose lowest eval loss is at its last eval\n"
+            "  (the table's last column) has not reached the corpus's overfitting point; the overfitting probe above, "
+            "once run,\n  finds that point at the deepest setting. For scale, a 24-layer, hidden-128 run on the same "
+            "16 × 128 batches began\n  to overfit after about 2,250 steps.")
+
+
 def probe_section(args, probe: dict | None, out: Path, suffix: str) -> tuple[str, dict | None]:
     """The report's paragraph on the overfitting point, and its summary entry."""
     s = args.settings
     spec = probe_spec(args)
+    if probe is None and s.get("dataset", engine.DEFAULT_DATASET) != engine.DEFAULT_DATASET:
+        return ("Not needed: the runs see each training token at most once (the budget stays below one pass), so "
+                "they cannot overfit by repetition.", None)
     if probe is None:
         return (f"Not measured yet: `python utils/depth_sweep.py --overfit_probe` trains the probe ({spec.arm}, seed "
                 f"{spec.seed}, {s['probe_steps']} updates, an eval every {s['probe_eval_every']}).", None)
@@ -729,10 +743,7 @@ Deep = the deeper half of the layers.
 - **Budget**: {s['steps']} updates × {s['batch_size']} × {s['max_length']} packed tokens = {tokens / 1e6:.2f} M tokens per
   run at every depth, {tokens / train_tokens:.2f} epochs over the {train_tokens:,}-token training split; Adam, lr {s['lr']},
   {s['warmup']} warmup steps then cosine to 10%, clipping 1.0, {engine.DTYPE_LABELS[args.dtype]} (`--dtype {args.dtype}`, see docs/study.md).
-  The budget was chosen for time (four depths, three seeds). A run whose lowest eval loss is at its last eval
-  (the table's last column) has not reached the corpus's overfitting point; the overfitting probe above, once run,
-  finds that point at the deepest setting. For scale, a 24-layer, hidden-128 run on the same 16 × 128 batches began
-  to overfit after about 2,250 steps.
+  {budget_reason(s)}
 - **Instruments** at steps {', '.join(map(str, engine.evenly_spaced_steps(s['steps'], s['dynamics_points'])))}, inside
   the trained context of {s['max_length']} tokens: variance and angular distance over {s['stream_tokens']:,} held-out
   tokens, block Jacobians at {s['jacobian_tokens']} tokens ({'exact' if not s['jacobian_probes'] else
