@@ -396,19 +396,29 @@ def test_overfit_point_finds_the_lowest_eval_and_whether_the_loss_rose_after_it(
 
 
 @pytest.mark.slow
-def test_an_interrupted_run_resumes_from_its_last_checkpoint(tmp_path, monkeypatch):
+@pytest.mark.parametrize("stopped_by", ["a kill", "a signal"])
+def test_an_interrupted_run_resumes_from_its_last_checkpoint(stopped_by, tmp_path, monkeypatch):
+    """Killed, a run leaves no results.json; stopped by SIGTERM (a session's end), the trainer saves, writes
+    results.json with status "stopped" and exits 5. Either way the next invocation continues the run from its last
+    checkpoint instead of analysing the partial model as if it had finished."""
     monkeypatch.setattr(engine, "RESUMABLE_CHECKPOINTS", 2)  # model_6 stays resumable once model_8 is gone
     args = depth_sweep.parse_args(["--quick", "--out", str(tmp_path / "report"), "--runs_dir", str(tmp_path / "runs")])
     spec, settings = depth_sweep.probe_spec(args), engine.analysis_settings(args.settings)
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
     whole = engine.run_job(spec, settings, args.runs_dir, tmp_path / "records", env)
-    # Make the folder look like a run killed after its step-6 checkpoint: no results, no step-8 checkpoint.
+    # Make the folder look like a run interrupted after its step-6 checkpoint: no step-8 checkpoint.
     run_dir = args.runs_dir / spec.name
-    (run_dir / "results.json").unlink()
+    results = json.loads((run_dir / "results.json").read_text())
+    if stopped_by == "a kill":
+        (run_dir / "results.json").unlink()
+    else:
+        (run_dir / "results.json").write_text(json.dumps(dict(results, status="stopped", step=6,
+                                                              final_eval_loss=None, stop_signal="SIGTERM")))
     shutil.rmtree(run_dir / "model_8")
     (tmp_path / "records" / f"{spec.name}.json").unlink()
     resumed = engine.run_job(spec, settings, args.runs_dir, tmp_path / "records", env)
     assert "resumed from" in (args.runs_dir / "logs" / f"{spec.name}.train.log").read_text()
+    assert resumed["status"] == "finished" and resumed["last_step"] == 8 and resumed["reused"] == "no"
     assert [step for step, _ in resumed["eval_curve"]] == [2, 4, 6, 8]  # rows past step 6 replaced, not repeated
     assert resumed["final_eval_loss"] == pytest.approx(whole["final_eval_loss"], abs=1e-5)
     assert resumed["train_seconds"] > 0

@@ -225,30 +225,3 @@ def test_stored_train_token_count_is_the_corpus(monkeypatch):
     texts = wikipedia_corpus.read_train_texts(wikipedia_corpus.corpus_paths()[0])
     packed = tokenize_documents(load_tokenizer("wikipedia"), texts, max_length=0, packing=True)
     assert sum(len(ids) for ids in packed) == wikipedia_corpus.TRAIN_TOKENS
-
-
-@pytest.mark.slow
-def test_a_run_stopped_by_a_signal_resumes_instead_of_being_recorded(tmp_path, monkeypatch):
-    """A session's end stops the pilot's trainer with SIGTERM: it saves, writes results.json with status "stopped"
-    and exits 5. The next invocation must continue that run, not analyse its partial model as if it had finished."""
-    import os
-    import shutil
-
-    from utils import depth_sweep
-    from utils.study import engine
-
-    monkeypatch.setattr(engine, "RESUMABLE_CHECKPOINTS", 2)  # model_6 stays resumable once model_8 is gone
-    args = depth_sweep.parse_args(["--quick", "--out", str(tmp_path / "report"), "--runs_dir", str(tmp_path / "runs")])
-    spec, settings = depth_sweep.probe_spec(args), engine.analysis_settings(args.settings)
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
-    whole = engine.run_job(spec, settings, args.runs_dir, tmp_path / "records", env)
-    run_dir = args.runs_dir / spec.name
-    results = json.loads((run_dir / "results.json").read_text())
-    (run_dir / "results.json").write_text(json.dumps(dict(results, status="stopped", step=6, final_eval_loss=None,
-                                                          stop_signal="SIGTERM")))
-    shutil.rmtree(run_dir / "model_8")
-    (tmp_path / "records" / f"{spec.name}.json").unlink()
-    resumed = engine.run_job(spec, settings, args.runs_dir, tmp_path / "records", env)
-    assert "resumed from" in (args.runs_dir / "logs" / f"{spec.name}.train.log").read_text()
-    assert resumed["status"] == "finished" and resumed["last_step"] == 8 and resumed["reused"] == "no"
-    assert resumed["final_eval_loss"] == pytest.approx(whole["final_eval_loss"], abs=1e-5)
