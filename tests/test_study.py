@@ -332,7 +332,8 @@ def test_depth_sweep_quick_end_to_end_then_reuses_every_record(tmp_path):
                              str(runs)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["runs"]) == 12 and not summary["missing"]  # 2 depths x 2 norms x 2 seeds, GPAS and BHyT at L4
-    assert len(summary["rivals"]) == 2 * 3 and "## GPAS and BHyT at L = 4" in (out / "report.md").read_text()
+    # per rival at L4: loss against Pre-LN and LNS, the identity gap, the variance against Pre-LN and LNS
+    assert len(summary["rivals"]) == 2 * 5 and "## GPAS and BHyT at L = 4" in (out / "report.md").read_text()
     probe = summary["overfit_probe"]  # the probe: L4 (the deepest), eval every 2 of 8 updates
     assert probe["arm"] == "overfit-L4-lns" and [step for step, _ in probe["eval_curve"]] == [2, 4, 6, 8]
     assert (out / "overfit_probe.png").stat().st_size > 1000
