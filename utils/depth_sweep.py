@@ -465,15 +465,18 @@ def rival_verdicts(args, records) -> list[verdicts.Verdict]:
     depths = [d for d in s.get("rival_depths", ()) if d in s["depths"]]
     for norm in s.get("rival_norms", ()) if len(depths) >= 2 else ():
         label = RIVAL_NORMS[norm]
-        shallow, deep = ({seed: loss - engine.by_seed(records, axis.arm(depth, "lns"), "eval_loss").get(seed)
-                          for seed, loss in engine.by_seed(records, axis.arm(depth, norm), "eval_loss").items()
-                          if loss is not None
-                          and engine.by_seed(records, axis.arm(depth, "lns"), "eval_loss").get(seed) is not None}
-                         for depth in (depths[0], depths[-1]))
+        shallow, deep = (gap_to_lns(axis, records, depth, norm) for depth in (depths[0], depths[-1]))
         found.append(verdicts.judge_seeds(
             f"{label} gains on LNS from L={depths[0]} to L={depths[-1]} (change in {label} − LNS eval loss)", -1,
             shallow, deep, (f"L={depths[0]}", f"L={depths[-1]}")))
     return found
+
+
+def gap_to_lns(axis: Axis, records, depth: int, norm: str) -> dict[int, float]:
+    """{seed: eval loss of `norm` − LNS's} at one depth, for the seeds where both runs finished."""
+    lns = engine.by_seed(records, axis.arm(depth, "lns"), "eval_loss")
+    return {seed: loss - lns[seed] for seed, loss in engine.by_seed(records, axis.arm(depth, norm), "eval_loss").items()
+            if loss is not None and lns.get(seed) is not None}
 
 
 def rivals_section(rivals: list[verdicts.Verdict], args) -> str:
