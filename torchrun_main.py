@@ -333,6 +333,9 @@ class Update:
 
 
 class Run:
+    """Everything the loop needs. Every attribute is assigned here, in the order it is built; the helpers below
+    return what they build."""
+
     def __init__(self, args, rank: int, world_size: int, device, on_exit: contextlib.ExitStack):
         self.args, self.rank, self.world_size, self.device = args, rank, world_size, device
         self.is_main = rank == 0
@@ -349,22 +352,30 @@ class Run:
         # after wrapping and filled from the checkpoint's sharded/ folder.
         meta_init = sharded and args.fsdp
         self.model = self.build_model(resume_state, meta_init)
-        self.open_data(resume_state)
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        self.describe_model()
+        self.data_source = dict(dataset=args.dataset, dataset_path=args.dataset_path,
+                                dataset_config=args.dataset_config, tokenizer=self.tokenizer,
+                                max_length=args.max_length, packing=args.packing)
+        self.stream = self.open_data(resume_state)
         # Only now: bad input above leaves no empty run folder behind.
         self.run_dir = open_run_folder(args, rank, resume_state["update_step"] if resume_state else None, on_exit,
                                        self.log)
-        self.train_model = wrap_model(self.model, args, world_size, device)
-        if meta_init:
-            self.train_model.to_empty(device=device)  # this rank's shards only; load_sharded below fills them
-            self.model.model.rotary_emb.reset_tables()  # a non-persistent buffer, in no checkpoint
-        if args.compile:
-            self.train_model = torch.compile(self.train_model)  # `model` shares its weights: saving is unchanged
+        self.train_model = self.wrap_model(meta_init)
         self.optimizer = training_utils.build_optimizer(self.train_model.parameters(), args.optimizer, args.lr,
                                                         args.weight_decay, args.adam_kernel)
-        self.progress = Progress(last_checkpoint=args.continue_from)
-        self.restore_optimizer_and_position(resume_state, sharded)
+        self.progress = self.restore_optimizer_and_position(resume_state, sharded)
+        # On resume the schedule continues at update_step with this command line's --lr/--warmup_steps/...
+        # (pass the same flags for an exact resume; differences are printed below).
+        self.scheduler = training_utils.build_scheduler(
+            self.optimizer, scheduler_type=args.scheduler, num_training_steps=args.num_training_steps,
+            warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio, lr=args.lr,
+            weight_decay=args.weight_decay, resume_at=self.progress.update_step)
+        if resume_state is not None:
+            self.restore_rng(resume_state)
         del resume_state
-        self.open_logs()
+        self.metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
+        self.metrics, self.wandb_run = self.open_logs()
         self.autocast = autocast_for(args, device)
         self.rank0_writes = HeldFailure()
         self.stop = StopRequest(on_exit)
@@ -399,9 +410,9 @@ class Run:
         return state
 
     def build_model(self, resume_state: dict | None, meta_init: bool):
-        args, config = self.args, self.config
+        args = self.args
         with torch.device("meta") if meta_init else contextlib.nullcontext():
-            model = LlamaForCausalLM(config)
+            model = LlamaForCausalLM(self.config)
         if resume_state is not None and not resume_state.get("sharded"):
             checkpointing.load_model_weights(args.continue_from, model)
         if args.dtype == "bfloat16":
@@ -410,33 +421,43 @@ class Run:
             model = model.to(self.device)
         if args.activation_checkpointing:
             model.activation_checkpointing_enable()
-        self.n_params = sum(p.numel() for p in model.parameters())
-        options = " ".join(f"{option}={getattr(config, option)}" for option in args_utils.MODEL_OPTIONS[3:])
+        return model
+
+    def describe_model(self):
+        args, config = self.args, self.config
+        options = " ".join(f"{option}={getattr(config, option)}" for option in args_utils.MODEL_OPTIONS)
         wrap = "fsdp2" if args.fsdp else "ddp" if self.world_size > 1 else "none"
-        self.log(f"model: {args.model_config} norm_type={config.norm_type} post_num={config.post_num} "
-                 f"init={config.init_method} {options} params={self.n_params / 1e6:.2f}M dtype={args.dtype} "
+        self.log(f"model: {args.model_config} {options} params={self.n_params / 1e6:.2f}M dtype={args.dtype} "
                  f"device={self.device} world_size={self.world_size} wrap={wrap}")
         frozen_gains_note = training_utils.pure_bf16_note(args.dtype, args.optimizer, args.lr)
         if frozen_gains_note:
             self.log(frozen_gains_note)
-        return model
 
     def open_data(self, resume_state: dict | None):
-        """Both splits now, so that a wrong name or a missing split fails before any training."""
+        """The training stream, at the checkpoint's position; the eval split is opened too, so that a wrong name or a
+        missing split fails before any training."""
         args = self.args
-        self.data_source = dict(dataset=args.dataset, dataset_path=args.dataset_path,
-                                dataset_config=args.dataset_config, tokenizer=self.tokenizer,
-                                max_length=args.max_length, packing=args.packing)
         with user_errors():
-            self.stream = build_train_stream(**self.data_source, batch_size=args.batch_size, seed=args.seed,
-                                             rank=self.rank, world_size=self.world_size, num_workers=args.workers)
+            stream = build_train_stream(**self.data_source, batch_size=args.batch_size, seed=args.seed,
+                                        rank=self.rank, world_size=self.world_size, num_workers=args.workers)
             next(iter_eval_batches(**self.data_source, batch_size=1, eval_tokens=self.world_size, rank=self.rank,
                                    world_size=self.world_size), None)
             if resume_state is not None:
-                self.stream.load_state_dict(resume_state["data"][self.rank])
+                stream.load_state_dict(resume_state["data"][self.rank])
+        return stream
 
-    def restore_optimizer_and_position(self, resume_state: dict | None, sharded: bool):
-        args, progress = self.args, self.progress
+    def wrap_model(self, meta_init: bool):
+        """DDP or FSDP2 (wrap_model), then torch.compile when asked; `model` shares its weights."""
+        train_model = wrap_model(self.model, self.args, self.world_size, self.device)
+        if meta_init:
+            train_model.to_empty(device=self.device)  # this rank's shards only; the sharded load fills them
+            self.model.model.rotary_emb.reset_tables()  # a non-persistent buffer, in no checkpoint
+        if self.args.compile:
+            train_model = torch.compile(train_model)  # saving goes through `model`: unchanged
+        return train_model
+
+    def restore_optimizer_and_position(self, resume_state: dict | None, sharded: bool) -> Progress:
+        args = self.args
         if sharded:
             try:
                 with checkpointing.keeping_adam_kernel(self.optimizer):
@@ -445,41 +466,39 @@ class Run:
                 raise checkpointing.CheckpointError(str(err)) from err
         elif resume_state is not None:
             checkpointing.load_optimizer_state(self.train_model, self.optimizer, resume_state["optimizer"])
-        if resume_state is not None:
-            progress.update_step, progress.tokens_seen = resume_state["update_step"], resume_state["tokens_seen"]
-        # On resume the schedule continues at update_step with this command line's --lr/--warmup_steps/...
-        # (pass the same flags for an exact resume; differences are printed below).
-        self.scheduler = training_utils.build_scheduler(
-            self.optimizer, scheduler_type=args.scheduler, num_training_steps=args.num_training_steps,
-            warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio, lr=args.lr,
-            weight_decay=args.weight_decay, resume_at=progress.update_step)
-        if resume_state is not None:
-            training_utils.restore_rng_state(resume_state["rng"][self.rank])  # last: after all that draws numbers
-            self.log(f"resumed from {args.continue_from}: update step {progress.update_step}, tokens seen "
-                     f"{progress.tokens_seen}")
-            for flag, (saved, now) in training_utils.changed_flags(resume_state.get("args", {}), vars(args)).items():
-                self.log(f"note: --{flag} is {now!r} now, {saved!r} in the checkpoint's run (using {now!r})")
+        if resume_state is None:
+            return Progress()
+        return Progress(update_step=resume_state["update_step"], tokens_seen=resume_state["tokens_seen"],
+                        last_checkpoint=args.continue_from)
+
+    def restore_rng(self, resume_state: dict):
+        """Last: after everything that draws random numbers."""
+        args, progress = self.args, self.progress
+        training_utils.restore_rng_state(resume_state["rng"][self.rank])
+        self.log(f"resumed from {args.continue_from}: update step {progress.update_step}, tokens seen "
+                 f"{progress.tokens_seen}")
+        for flag, (saved, now) in training_utils.changed_flags(resume_state.get("args", {}), vars(args)).items():
+            self.log(f"note: --{flag} is {now!r} now, {saved!r} in the checkpoint's run (using {now!r})")
 
     def open_logs(self):
-        """metrics.jsonl and wandb, on rank 0; rows past the resumed step (all of them for a run killed before its
-        first checkpoint) are set aside."""
+        """(metrics file, wandb run), both on rank 0 only (None elsewhere); rows past the resumed step (all of them
+        for a run killed before its first checkpoint) are set aside."""
         args = self.args
-        self.metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
-        self.metrics, self.wandb_run = None, None
+        metrics, wandb_run = None, None
         run_config = dict(vars(args), world_size=self.world_size, n_params=self.n_params,
                           vocab_size=self.config.vocab_size, run_dir=self.run_dir)
         with failure_shared_by_every_rank(self.run_dir):
             if self.is_main:
                 with user_errors():
-                    self.metrics = training_utils.MetricsFile(self.metrics_path,
-                                                              resume_step=self.progress.update_step)
-                for note in self.metrics.notes:
+                    metrics = training_utils.MetricsFile(self.metrics_path, resume_step=self.progress.update_step)
+                for note in metrics.notes:
                     self.log(note)
                 tags = [t.strip() for t in args.tags.split(",") if t.strip()] if args.tags else None
                 with user_errors():  # a malformed RUN/wandb_run_id is bad input
-                    self.wandb_run = training_utils.init_wandb(project=args.wandb_project, run_name=args.run_name,
-                                                               config=run_config, tags=tags, run_dir=self.run_dir,
-                                                               resume=args.continue_from is not None)
+                    wandb_run = training_utils.init_wandb(project=args.wandb_project, run_name=args.run_name,
+                                                          config=run_config, tags=tags, run_dir=self.run_dir,
+                                                          resume=args.continue_from is not None)
+        return metrics, wandb_run
 
     # ---- one update -------------------------------------------------------------------------------------------
     def train_step(self) -> Update:
