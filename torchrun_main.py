@@ -5,8 +5,7 @@
 Single process:  python torchrun_main.py --model_config configs/llama_tiny.json --dataset embedded --batch_size 8 ...
 Several:         torchrun --nproc_per_node 4 torchrun_main.py ...   (nccl on GPU, gloo on CPU)
 
-Exit codes (docs/training.md#exit-codes): 0 finished, 1 error, 2 bad input, 3 diverged, 4 no space left,
-5 stopped by SIGTERM/SIGUSR1 after saving, 6 out of memory.
+Exit codes: peft_pretraining/exit_codes.ExitCode (docs/training.md#exit-codes).
 
 The run folder (peft_pretraining/run_folder.py) is locked by rank 0 for the whole run, recovered at start-up after a
 crash, and holds one history: resuming from step k moves the folder's later checkpoints into superseded/.
@@ -44,11 +43,12 @@ from peft_pretraining.distributed import (
     report_exit_code,
     wrap_model,
 )
+from peft_pretraining.exit_codes import ExitCode
 from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config, canonical_norm_type
 
 
 class BadInput(Exception):
-    """A user error found after parsing (tokenizer, dataset, checkpoint): one line, exit code 2."""
+    """A user error found after parsing (tokenizer, dataset, checkpoint): one line, ExitCode.BAD_INPUT."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -79,7 +79,7 @@ def open_run_folder(args, rank: int, resume_step: int | None, on_exit: contextli
         except OSError as err:  # a parent that is a file, no permission, a read-only filesystem, a full disk
             refusal[0] = f"--save_dir {run_dir}: cannot create the run folder ({err.strerror or err})"
             if run_folder.is_no_space(err):
-                refusal[0] = (refusal[0], run_folder.EXIT_NO_SPACE)
+                refusal[0] = (refusal[0], ExitCode.NO_SPACE)
         else:
             # Decided under the lock: a run that ended while this one was starting is not taken over.
             if resume_step is None and run_folder.holds_a_run(run_dir):
@@ -177,29 +177,29 @@ def user_errors():
 def failure_shared_by_every_rank(run_dir: str, no_space: str | None = None, failed: str = "rank 0 failed",
                                  on_failure=None):
     """Around work that rank 0 alone does (the other ranks run an empty body): rank 0's outcome is broadcast, so a
-    failure ends every rank with the code rank 0 chose (2 bad input, 4 no space, else 1 with rank 0's traceback)
+    failure ends every rank with the code rank 0 chose (bad input, no space, else ERROR with rank 0's traceback)
     instead of leaving the others in their next collective; on a multi-node run every node then reports it.
     `no_space` and `failed` word the one-line messages; `on_failure` cleans up on rank 0 before the outcome goes."""
     failure, error = [None], None
     try:
         yield
     except BadInput as err:
-        failure[0] = (str(err), 2)
+        failure[0] = (str(err), ExitCode.BAD_INPUT)
     except run_folder.SaveFailed as err:
         failure[0] = (str(err), err.exit_code)
     except Exception as err:
         error = err
         failure[0] = ((no_space or f"run folder {run_dir}: no space left on device ({err.__class__.__name__})",
-                       run_folder.EXIT_NO_SPACE) if run_folder.is_no_space(err, run_dir)
-                      else (f"{failed} ({err.__class__.__name__})", 1))
+                       ExitCode.NO_SPACE) if run_folder.is_no_space(err, run_dir)
+                      else (f"{failed} ({err.__class__.__name__})", ExitCode.ERROR))
     if failure[0] is not None and on_failure is not None:
         on_failure()
     broadcast_from_rank0(failure)
     if failure[0] is None:
         return
-    if error is not None and failure[0][1] == 1:
+    if error is not None and failure[0][1] == ExitCode.ERROR:
         raise error
-    if failure[0][1] == 2:
+    if failure[0][1] == ExitCode.BAD_INPUT:
         raise BadInput(failure[0][0])
     raise run_folder.SaveFailed(*failure[0])
 
@@ -227,7 +227,8 @@ class HeldFailure:
 class StopRequest:
     """SIGTERM or SIGUSR1, as a scheduler sends them before a time limit or a preemption: noted here, and acted on
     where the ranks next meet (the update's closing all-reduce), so every rank finishes the same update, the run
-    saves, writes results.json with status "stopped" and exits 5. Handlers are restored when the run ends."""
+    saves, writes results.json with status "stopped" and exits ExitCode.STOPPED. Handlers are restored when the run
+    ends."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -272,7 +273,7 @@ def main(argv=None) -> int:
         return report_exit_code(exit.code)
     rank, world_size, device = init_distributed(args)
 
-    def error(message, exit_code: int) -> int:
+    def error(message, exit_code: ExitCode) -> ExitCode:
         if rank == 0:
             print(f"torchrun_main.py: error: {' '.join(str(message).split())}", file=sys.stderr)  # one line
         return exit_code
@@ -287,17 +288,17 @@ def main(argv=None) -> int:
         print(f"torchrun_main.py: error: {out_of_memory_message(args, rank, world_size)}", file=sys.stderr, flush=True)
         if world_size > 1:
             sys.stdout.flush()
-            os._exit(report_exit_code(training_utils.EXIT_OUT_OF_MEMORY))
-        code = training_utils.EXIT_OUT_OF_MEMORY
+            os._exit(report_exit_code(ExitCode.OUT_OF_MEMORY))
+        code = ExitCode.OUT_OF_MEMORY
     except (BadInput, checkpointing.CheckpointError) as err:
-        code = error(err, 2)
+        code = error(err, ExitCode.BAD_INPUT)
     except run_folder.SaveFailed as err:  # raised on every rank, with the code rank 0 chose
         code = error(err, err.exit_code)
     except Exception as err:
         if not run_folder.is_no_space(err, args.save_dir):
             raise
         code = error(f"run folder {args.save_dir}: no space left on device ({err.__class__.__name__})",
-                     run_folder.EXIT_NO_SPACE)
+                     ExitCode.NO_SPACE)
     finally:
         if dist.is_initialized():
             leave_process_group()
@@ -623,14 +624,14 @@ class Run:
         progress.last_checkpoint = path
 
     # ---- the end ------------------------------------------------------------------------------------------------
-    def finish(self) -> int:
+    def finish(self) -> ExitCode:
         """results.json, the plots and wandb's summary, written by rank 0; every rank leaves with the outcome."""
         progress = self.progress
         self.stream.close()
         if progress.last_eval is None and progress.status == "finished":  # resumed at the last step: no results yet
             self.evaluate()
-        exit_code = {"finished": 0, "diverged": training_utils.EXIT_DIVERGED,
-                     "stopped": training_utils.EXIT_STOPPED}[progress.status]
+        exit_code = {"finished": ExitCode.FINISHED, "diverged": ExitCode.DIVERGED,
+                     "stopped": ExitCode.STOPPED}[progress.status]
         with failure_shared_by_every_rank(self.run_dir):
             if self.is_main:
                 self.rank0_writes.raise_held()  # a row of the last update that rank 0 failed to write
@@ -638,7 +639,7 @@ class Run:
                 self.write_results(exit_code)
         return exit_code
 
-    def write_results(self, exit_code: int):
+    def write_results(self, exit_code: ExitCode):
         args, progress, finished = self.args, self.progress, self.progress.status == "finished"
         results = {
             "status": progress.status,
@@ -678,13 +679,13 @@ class Run:
               flush=True)
 
 
-def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStack) -> int:
+def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStack) -> ExitCode:
     """Set-up, the loop, the results. Each update: train_step, then (unless it diverged) apply, a metrics row, an
     evaluation and a save when due; a stop signal ends the loop after a save."""
     try:
         run = Run(args, rank, world_size, device, on_exit)
     except AlreadyFinished:
-        return 0
+        return ExitCode.FINISHED
     progress = run.progress
     run.log(f"training {args.num_training_steps - progress.update_step} updates of {args.total_batch_size} "
             f"sequences x {args.max_length} tokens (batch {args.batch_size} x accumulation "

@@ -12,7 +12,7 @@
 - ``write_json_atomic``, ``write_lines_atomic``, ``fsync_dir``: temporary file, fsync, rename, then fsync the folder.
 - ``read_jsonl``: metrics.jsonl rows, dropping a last line cut short by a crash or a full disk (with a note).
 - ``is_no_space``: recognises a full disk however the writer reports it (OSError ENOSPC, safetensors' message, or
-  torch's "unexpected pos" on a nearly full disk); the trainer then exits with EXIT_NO_SPACE.
+  torch's "unexpected pos" on a nearly full disk); the trainer then exits with ExitCode.NO_SPACE.
 """
 from __future__ import annotations
 
@@ -26,11 +26,12 @@ import re
 import shutil
 import time
 
+from peft_pretraining.exit_codes import ExitCode
+
 CHECKPOINT_PREFIX = "model_"
 LOCK_FILE = "run.lock"
 SUPERSEDED_DIR = "superseded"
 TRAINING_STATE_FILE = "training_state.pt"
-EXIT_NO_SPACE = 4
 LOCK_WAIT_S = 1.0  # a second process probing the lock holds it for microseconds; do not mistake that for an owner
 
 _CHECKPOINT = re.compile(rf"{CHECKPOINT_PREFIX}(\d+)")
@@ -49,7 +50,7 @@ class RunFolderBusy(Exception):
 class SaveFailed(Exception):
     """Rank 0 could not save a checkpoint (or another file only it writes); raised on every rank with one exit code."""
 
-    def __init__(self, message: str, exit_code: int):
+    def __init__(self, message: str, exit_code: ExitCode):
         super().__init__(message)
         self.exit_code = exit_code
 

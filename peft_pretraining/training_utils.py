@@ -22,13 +22,6 @@ from tqdm import tqdm
 
 from peft_pretraining import run_folder
 
-EXIT_DIVERGED = 3
-EXIT_STOPPED = 5  # SIGTERM or SIGUSR1: the update finished, a checkpoint saved; the same command resumes it
-EXIT_OUT_OF_MEMORY = 6  # the device ran out of memory; the last good checkpoint is kept
-
-
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Optimizer and schedule
 # ----------------------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import torchrun_main
-from peft_pretraining import training_utils
+from peft_pretraining.exit_codes import ExitCode
 from peft_pretraining.modeling_llama import LlamaForCausalLM
 from tests.conftest import ONE_THREAD, TINY_RUN
 from utils import gpu_processes
@@ -66,7 +66,7 @@ def test_a_stop_signal_saves_and_the_same_command_resumes_exactly(nproc, stop_si
     wait_for_rows(run_dir, proc, 3)
     proc.send_signal(stop_signal)
     code, err = finish(proc)
-    assert code == training_utils.EXIT_STOPPED, err[-3000:]
+    assert code == ExitCode.STOPPED, err[-3000:]
     results = json.loads((run_dir / "results.json").read_text())
     stopped_at = results["step"]
     assert results["status"] == "stopped" and 3 <= stopped_at < STEPS, results
@@ -74,13 +74,13 @@ def test_a_stop_signal_saves_and_the_same_command_resumes_exactly(nproc, stop_si
     assert [row["step"] for row in read_rows(run_dir)] == list(range(1, stopped_at + 1))
 
     code, err = finish(run_tiny(run_dir, nproc))  # the requeued job: the same command
-    assert code == 0, err[-3000:]
+    assert code == ExitCode.FINISHED, err[-3000:]
     assert f"resumed from {run_dir / f'model_{stopped_at}'}" in err
     assert json.loads((run_dir / "results.json").read_text())["status"] == "finished"
     assert [row["step"] for row in read_rows(run_dir)] == list(range(1, STEPS + 1))
     if nproc == 1:
         code, err = finish(run_tiny(tmp_path / "uninterrupted", nproc))
-        assert code == 0, err[-3000:]
+        assert code == ExitCode.FINISHED, err[-3000:]
         expected = load_file(tmp_path / "uninterrupted" / f"model_{STEPS}" / "model.safetensors")
         got = load_file(run_dir / f"model_{STEPS}" / "model.safetensors")
         assert all(torch.equal(expected[name], got[name]) for name in expected)
@@ -88,7 +88,7 @@ def test_a_stop_signal_saves_and_the_same_command_resumes_exactly(nproc, stop_si
         assert [row["loss"] for row in read_rows(run_dir)] == losses
 
     code, err = finish(run_tiny(run_dir, nproc))  # requeued once more after the run finished: nothing to do
-    assert code == 0 and "already finished" in err, err[-3000:]
+    assert code == ExitCode.FINISHED and "already finished" in err, err[-3000:]
 
 
 IN_PROCESS = [*TINY_RUN, *SCHEDULE, "--save_every", "2"]
@@ -109,7 +109,7 @@ def test_out_of_memory_is_one_line_naming_the_fix_and_keeps_the_last_checkpoint(
     run_dir = tmp_path / "run"
     code = torchrun_main.main([*IN_PROCESS, "--save_dir", str(run_dir)])
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # not the progress bars
-    assert code == training_utils.EXIT_OUT_OF_MEMORY
+    assert code == ExitCode.OUT_OF_MEMORY
     assert len(err) == 1 and err[0].startswith("torchrun_main.py: error: out of memory"), err
     assert "--batch_size 2 keeps --total_batch_size 4" in err[0] and "--activation_checkpointing" in err[0]
     assert str(run_dir / "model_2") in err[0]
@@ -129,7 +129,7 @@ def test_resume_auto_refuses_what_a_requeue_could_not_repeat(flags, message, cap
     with pytest.raises(SystemExit) as exit_info:
         torchrun_main.args_utils.parse_args(argv)
     err = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2 and len(err) == 1 and message in err[0], err
+    assert exit_info.value.code == ExitCode.BAD_INPUT and len(err) == 1 and message in err[0], err
 
 
 def test_resume_auto_without_a_save_dir_uses_runs_run_name(monkeypatch, tmp_path):

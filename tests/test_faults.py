@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import load_file
 
 import torchrun_main
-from peft_pretraining import checkpointing, run_folder, training_utils
+from peft_pretraining import checkpointing, run_folder
+from peft_pretraining.exit_codes import ExitCode
 from tests.conftest import ONE_THREAD, TINY_RUN
 
 REPO = Path(__file__).resolve().parent.parent
@@ -180,7 +181,7 @@ def wait_killed(proc: subprocess.Popen, tmp_path: Path):
 def reference(tmp_path_factory) -> Path:
     """The uninterrupted run every recovered run must match: checkpoints at steps 2, 4 and 6."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"
-    assert train("--save_dir", run_dir) == 0
+    assert train("--save_dir", run_dir) == ExitCode.FINISHED
     return run_dir
 
 
@@ -205,7 +206,7 @@ def test_second_process_on_a_locked_folder_exits_2_naming_the_holder(reference, 
             time.sleep(0.2)
         before = tree_hashes(run_dir)
         for second in (["--continue_from", run_dir], ["--save_dir", run_dir]):  # a resume and a fresh start
-            assert train_expecting_exit(*second) == 2
+            assert train_expecting_exit(*second) == ExitCode.BAD_INPUT
             message = one_error_line(capsys.readouterr().err)
             assert str(run_dir) in message and f"process {holder.pid}" in message
         with pytest.raises(run_folder.RunFolderBusy, match=f"process {holder.pid}"):  # two starting at once
@@ -217,7 +218,7 @@ def test_second_process_on_a_locked_folder_exits_2_naming_the_holder(reference, 
     wait_killed(holder, tmp_path)
     assert (run_dir / ".model_4.tmp").is_dir() and (run_dir / run_folder.LOCK_FILE).is_file()
 
-    assert train("--continue_from", run_dir) == 0  # the dead holder's lock does not block
+    assert train("--continue_from", run_dir) == ExitCode.FINISHED  # the dead holder's lock does not block
     assert not list(run_dir.glob(".model_*"))  # the stale .model_4.tmp was removed at start-up
     assert_matches_reference(run_dir, reference)
 
@@ -235,7 +236,7 @@ def test_a_run_that_ends_while_another_starts_is_not_taken_over(reference, tmp_p
         return real_locked(folder)
 
     monkeypatch.setattr(run_folder, "locked", first_run_finishes_meanwhile)
-    assert train("--save_dir", run_dir, "--num_training_steps", "2") == 2
+    assert train("--save_dir", run_dir, "--num_training_steps", "2") == ExitCode.BAD_INPUT
     assert "already holds a run" in one_error_line(capsys.readouterr().err)
     assert (run_dir / "metrics.jsonl").read_bytes() == (reference / "metrics.jsonl").read_bytes()
     assert tree_hashes(run_dir / "model_2") == tree_hashes(reference / "model_2")
@@ -267,7 +268,7 @@ def test_branch_then_resume_never_mixes_histories(reference, tmp_path, monkeypat
     # The later checkpoints of the old history moved aside, unchanged; only the branch point is left to resume.
     assert sorted(p.name for p in run_dir.glob("model_*")) == ["model_2"]
     assert {name: tree_hashes(run_dir / "superseded" / name) for name in old_history} == old_history
-    assert train("--continue_from", run_dir) == 0
+    assert train("--continue_from", run_dir) == ExitCode.FINISHED
     assert_matches_reference(run_dir, reference)  # resumed at step 2: nothing of either abandoned trajectory
     superseded_steps = [json.loads(line)["step"] for line in (run_dir / "metrics_superseded.jsonl").open()]
     assert superseded_steps == [3, 4, 5, 6, 3, 4]  # the old history's rows, then the branch's
@@ -280,7 +281,7 @@ def test_branch_into_a_folder_holding_another_run_is_refused(reference, tmp_path
     other = tmp_path / "other"
     shutil.copytree(reference, other, ignore=shutil.ignore_patterns(run_folder.LOCK_FILE))
     before = tree_hashes(run_dir), tree_hashes(other)
-    assert train_expecting_exit("--continue_from", other / "model_4", "--save_dir", run_dir) == 2
+    assert train_expecting_exit("--continue_from", other / "model_4", "--save_dir", run_dir) == ExitCode.BAD_INPUT
     assert f"--save_dir {run_dir} already holds another run" in one_error_line(capsys.readouterr().err)
     assert (tree_hashes(run_dir), tree_hashes(other)) == before
 
@@ -288,14 +289,14 @@ def test_branch_into_a_folder_holding_another_run_is_refused(reference, tmp_path
     killed_early = tmp_path / "killed_early"
     killed_early.mkdir()
     shutil.copy(reference / "metrics.jsonl", killed_early / "metrics.jsonl")
-    assert train_expecting_exit("--continue_from", other / "model_4", "--save_dir", killed_early) == 2
+    assert train_expecting_exit("--continue_from", other / "model_4", "--save_dir", killed_early) == ExitCode.BAD_INPUT
     assert sorted(p.name for p in killed_early.iterdir()) == ["metrics.jsonl"]
     # Rows only after the branch step are this branch's own interrupted attempt: it may run again.
     attempt = tmp_path / "attempt"
     attempt.mkdir()
     (attempt / "metrics.jsonl").write_text("".join(line for line in (reference / "metrics.jsonl").read_text()
                                                    .splitlines(keepends=True) if json.loads(line)["step"] > 4))
-    assert train("--continue_from", other / "model_4", "--save_dir", attempt) == 0
+    assert train("--continue_from", other / "model_4", "--save_dir", attempt) == ExitCode.FINISHED
     assert [row["step"] for row in rows(attempt)] == [5, 6]
     capsys.readouterr()
 
@@ -308,12 +309,12 @@ def test_branch_into_a_folder_holding_another_run_is_refused(reference, tmp_path
         return real_locked(folder)
 
     monkeypatch.setattr(run_folder, "locked", a_run_appears_meanwhile)
-    assert train_expecting_exit("--continue_from", other / "model_4", "--save_dir", late) == 2
+    assert train_expecting_exit("--continue_from", other / "model_4", "--save_dir", late) == ExitCode.BAD_INPUT
     assert f"--save_dir {late} already holds another run" in one_error_line(capsys.readouterr().err)
     assert sorted(p.name for p in late.iterdir()) == ["model_2", run_folder.LOCK_FILE]
     monkeypatch.setattr(run_folder, "locked", real_locked)
 
-    assert train("--continue_from", run_dir / "model_4", "--save_dir", f"{tmp_path}/./run/") == 0
+    assert train("--continue_from", run_dir / "model_4", "--save_dir", f"{tmp_path}/./run/") == ExitCode.FINISHED
     assert_matches_reference(run_dir, reference)
 
 
@@ -322,7 +323,7 @@ def test_a_run_folder_that_cannot_be_created_is_one_line_exit_2(tmp_path, monkey
     from peft_pretraining import args_utils
     (tmp_path / "file").write_text("not a folder")
     monkeypatch.setattr(args_utils, "check_save_dir", lambda save_dir: None, raising=False)
-    assert train_expecting_exit("--save_dir", tmp_path / "file" / "run") == 2
+    assert train_expecting_exit("--save_dir", tmp_path / "file" / "run") == ExitCode.BAD_INPUT
     assert f"--save_dir {tmp_path / 'file' / 'run'}: cannot create" in one_error_line(capsys.readouterr().err)
     assert (tmp_path / "file").read_text() == "not a folder"
 
@@ -337,7 +338,7 @@ def test_a_full_disk_at_folder_creation_is_exit_4(tmp_path, monkeypatch, capsys)
         return real_makedirs(path, *args, **kwargs)
 
     monkeypatch.setattr(os, "makedirs", full_disk)
-    assert train_expecting_exit("--save_dir", tmp_path / "run") == run_folder.EXIT_NO_SPACE
+    assert train_expecting_exit("--save_dir", tmp_path / "run") == ExitCode.NO_SPACE
     assert "No space left on device" in one_error_line(capsys.readouterr().err)
 
 
@@ -347,7 +348,7 @@ def test_a_run_stopped_after_its_last_checkpoint_is_finished_by_resuming_it(refe
     run_dir = copy_of(reference, tmp_path)
     (run_dir / "results.json").unlink()
     rows_before = rows(run_dir)
-    assert train("--continue_from", run_dir) == 0
+    assert train("--continue_from", run_dir) == ExitCode.FINISHED
     results = json.loads((run_dir / "results.json").read_text())
     expected = json.loads((reference / "results.json").read_text())
     assert results["status"] == "finished" and results["step"] == STEPS
@@ -355,7 +356,7 @@ def test_a_run_stopped_after_its_last_checkpoint_is_finished_by_resuming_it(refe
     assert results["final_eval_loss"] == pytest.approx(expected["final_eval_loss"], rel=1e-6)
     assert rows(run_dir) == rows_before  # no update trained, no row added
     capsys.readouterr()
-    assert train_expecting_exit("--continue_from", run_dir) == 2
+    assert train_expecting_exit("--continue_from", run_dir) == ExitCode.BAD_INPUT
     assert "already at step" in one_error_line(capsys.readouterr().err)
 
 
@@ -366,7 +367,7 @@ def test_a_run_stopped_after_its_last_checkpoint_is_finished_by_resuming_it(refe
 def test_non_finite_update_is_never_saved(tmp_path, capsys):
     run_dir = tmp_path / "run"
     code = train("--save_dir", run_dir, "--lr", "1e39", "--warmup_steps", "0", "--save_every", "1")
-    assert code == training_utils.EXIT_DIVERGED
+    assert code == ExitCode.DIVERGED
     assert not list(run_dir.glob("model_*")) and not list(run_dir.glob(".model_*"))
     results = json.loads((run_dir / "results.json").read_text())
     assert results["status"] == "diverged" and results["checkpoint"] is None
@@ -381,7 +382,7 @@ def test_truncated_last_metrics_line_is_dropped_with_a_note(reference, tmp_path,
     run_dir = copy_of(reference, tmp_path)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
     (run_dir / "metrics.jsonl").write_text("".join(lines[:4]) + lines[4][: len(lines[4]) // 2])  # power lost in row 5
-    assert train("--continue_from", run_dir / "model_4") == 0
+    assert train("--continue_from", run_dir / "model_4") == ExitCode.FINISHED
     assert "dropped the last line" in capsys.readouterr().out
     assert_matches_reference(run_dir, reference)
 
@@ -400,7 +401,7 @@ def test_results_json_is_written_atomically_and_renames_are_fsynced(tmp_path, mo
     monkeypatch.setattr(os, "replace", recorded("rename", os.replace))
     monkeypatch.setattr(os, "rename", recorded("rename", os.rename))
     monkeypatch.setattr(os, "fsync", recorded("fsync", os.fsync))
-    assert train("--save_dir", run_dir, "--num_training_steps", "2", "--eval_every", "2") == 0
+    assert train("--save_dir", run_dir, "--num_training_steps", "2", "--eval_every", "2") == ExitCode.FINISHED
     # results.json appears whole, by a rename; each rename into the run folder is followed by an fsync of it.
     assert ("rename", str(run_dir / "results.json")) in events
     # metrics.jsonl reaches the disk before each checkpoint is renamed into place.
@@ -426,7 +427,7 @@ def test_full_disk_is_one_line_exit_4_and_keeps_the_last_checkpoint(reference, t
         return real_torch_save(obj, path, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", disk_full_at_step_4)
-    assert train("--save_dir", run_dir) == run_folder.EXIT_NO_SPACE
+    assert train("--save_dir", run_dir) == ExitCode.NO_SPACE
     message = one_error_line(capsys.readouterr().err)
     assert str(run_dir) in message and "no space left on device" in message
     assert not list(run_dir.glob(".model_*"))  # the partial checkpoint is removed
@@ -442,7 +443,7 @@ def test_full_disk_is_one_line_exit_4_and_keeps_the_last_checkpoint(reference, t
         return real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", metrics_rewrite_fails)
-    assert train_expecting_exit("--continue_from", run_dir) == run_folder.EXIT_NO_SPACE
+    assert train_expecting_exit("--continue_from", run_dir) == ExitCode.NO_SPACE
     assert "no space left on device" in one_error_line(capsys.readouterr().err)
     assert (run_dir / "metrics.jsonl").read_bytes() == metrics_before
     assert not (run_dir / "metrics.jsonl.tmp").exists()
@@ -456,7 +457,7 @@ def test_stale_tmp_is_removed_and_old_copy_restored_at_start_up(reference, tmp_p
     (run_dir / "model_4").rename(run_dir / ".model_4.old")
     (run_dir / ".model_4.tmp").mkdir()
     (run_dir / ".model_4.tmp" / "model.safetensors").write_bytes(b"\0" * 100)
-    assert train("--continue_from", run_dir) == 0
+    assert train("--continue_from", run_dir) == ExitCode.FINISHED
     out = capsys.readouterr().out
     assert "restored model_4 from .model_4.old" in out and "resumed from" in out
     assert not list(run_dir.glob(".model_*"))
@@ -467,7 +468,7 @@ def test_kill_9_after_the_rename_resumes_bit_exact(reference, tmp_path):
     run_dir = tmp_path / "run"
     wait_killed(start_killed_run(tmp_path, run_dir, "after_rename", 4), tmp_path)
     assert sorted(p.name for p in run_dir.glob("*model_*")) == ["model_2", "model_4"]
-    assert train("--continue_from", run_dir) == 0
+    assert train("--continue_from", run_dir) == ExitCode.FINISHED
     assert_matches_reference(run_dir, reference)
 
 
@@ -479,10 +480,10 @@ def test_killed_before_the_first_checkpoint_starts_afresh_in_the_same_folder(ref
     run_dir = tmp_path / "run"
     wait_killed(start_killed_run(tmp_path, run_dir, "partial", 2), tmp_path)
     assert (run_dir / ".model_2.tmp").is_dir() and not list(run_dir.glob("model_*"))
-    assert train_expecting_exit("--continue_from", run_dir) == 2
+    assert train_expecting_exit("--continue_from", run_dir) == ExitCode.BAD_INPUT
     message = one_error_line(capsys.readouterr().err)
     assert f"--save_dir {run_dir}" in message and "without --continue_from" in message
-    assert train("--save_dir", run_dir) == 0
+    assert train("--save_dir", run_dir) == ExitCode.FINISHED
     assert not list(run_dir.glob(".model_*"))
     assert [json.loads(line)["step"] for line in (run_dir / "metrics_superseded.jsonl").open()] == [1, 2]
     assert_matches_reference(run_dir, reference)
@@ -605,7 +606,7 @@ def run_two_ranks(tmp_path: Path, args: list, **faults) -> list[tuple[int, str]]
 def test_save_failure_on_rank_0_reaches_every_rank(tmp_path):
     ranks = run_two_ranks(tmp_path, [*RUN, "--num_training_steps", "2", "--save_dir", tmp_path / "run"],
                           FAULT_STAGE="enospc_rank0")
-    assert [code for code, _ in ranks] == [run_folder.EXIT_NO_SPACE] * 2, [err[-2000:] for _, err in ranks]
+    assert [code for code, _ in ranks] == [ExitCode.NO_SPACE] * 2, [err[-2000:] for _, err in ranks]
     assert "no space left on device" in one_error_line(ranks[0][1])
     assert "Traceback" not in ranks[1][1]  # rank 1 learnt the outcome from rank 0, it did not crash into it
 
@@ -626,7 +627,7 @@ def test_a_full_disk_at_rank_0s_results_reaches_every_rank(tmp_path):
     """results.json is written by rank 0 alone while the others wait: they exit 4 with it (before: 1, a traceback)."""
     ranks = run_two_ranks(tmp_path, [*RUN, "--num_training_steps", "2", "--save_dir", tmp_path / "run"],
                           FAULT_STAGE="enospc_results_rank0")
-    assert [code for code, _ in ranks] == [run_folder.EXIT_NO_SPACE] * 2, [err[-2000:] for _, err in ranks]
+    assert [code for code, _ in ranks] == [ExitCode.NO_SPACE] * 2, [err[-2000:] for _, err in ranks]
     assert "no space left on device" in one_error_line(ranks[0][1])
     assert "Traceback" not in ranks[1][1]
     assert (tmp_path / "run" / "model_2").is_dir()  # the checkpoint written before is kept
@@ -639,7 +640,7 @@ def test_a_full_disk_at_rank_0s_metrics_row_reaches_every_rank(tmp_path, step):
     rank 1 crashed into rank 0's exit, a traceback and exit 1)."""
     run_dir = tmp_path / "run"
     ranks = run_two_ranks(tmp_path, [*RUN, "--save_dir", run_dir], FAULT_STAGE="enospc_metrics_rank0", FAULT_STEP=step)
-    assert [code for code, _ in ranks] == [run_folder.EXIT_NO_SPACE] * 2, [err[-2000:] for _, err in ranks]
+    assert [code for code, _ in ranks] == [ExitCode.NO_SPACE] * 2, [err[-2000:] for _, err in ranks]
     assert "no space left on device" in one_error_line(ranks[0][1])
     assert "Traceback" not in ranks[1][1] and "error:" not in ranks[1][1]
     assert [row["step"] for row in rows(run_dir)] == list(range(1, step))

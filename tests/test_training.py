@@ -18,8 +18,9 @@ from safetensors.torch import load_file
 from peft_pretraining import args_utils
 from peft_pretraining.checkpointing import drop_training_state, prune_checkpoints
 from peft_pretraining.dataloader import build_train_stream, count_target_tokens, iter_eval_batches, load_tokenizer
+from peft_pretraining.exit_codes import ExitCode
 from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config
-from peft_pretraining.training_utils import EXIT_DIVERGED, build_scheduler, evaluate, lr_factor
+from peft_pretraining.training_utils import build_scheduler, evaluate, lr_factor
 from tests.conftest import ONE_THREAD, TINY_RUN, run_trainer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,7 +45,7 @@ def tree_hashes(folder: Path) -> dict:
 def shared_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("train") / "run"
     proc = run_trainer([*SHARED_RUN, "--save_dir", str(run_dir)])
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == ExitCode.FINISHED, proc.stderr[-3000:]
     return run_dir, proc
 
 
@@ -57,7 +58,7 @@ def test_compile_flag_trains_like_eager(shared_run, tmp_path):
     flags = [*TINY, "--lr", "3e-3", "--warmup_steps", "2", "--num_training_steps", "3", "--eval_every", "3",
              "--save_every", "3", "--compile", "--save_dir", str(tmp_path / "run")]
     proc = run_trainer(flags, env=dict(os.environ, TORCH_LOGS="recompiles"), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == ExitCode.FINISHED, proc.stderr[-3000:]
     # One compilation serves every update: a recompile costs seconds per run (it once came from the RoPE cache).
     assert "Recompiling function" not in proc.stderr, proc.stderr[-3000:]
     compiled = [r["loss"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
@@ -113,7 +114,7 @@ def test_resume_is_bit_exact(shared_run, tmp_path):
     run_dir, _ = shared_run
     resumed = tmp_path / "resumed"
     proc = run_trainer([*SHARED_RUN, "--continue_from", str(run_dir / f"model_{STEPS}"), "--save_dir", str(resumed)])
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == ExitCode.FINISHED, proc.stderr[-3000:]
     full, second_half = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
     assert [r["step"] for r in second_half] == list(range(STEPS + 1, 2 * STEPS + 1))
     for key in ("loss", "grad_norm", "lr", "tokens_seen"):
@@ -150,7 +151,7 @@ def test_keep_last_in_a_run(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_trainer([*TINY, "--num_training_steps", "3", "--warmup_steps", "0", "--save_every", "1",
                      "--eval_every", "100", "--eval_tokens", "200", "--keep_last", "2", "--save_dir", str(run_dir)])
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == ExitCode.FINISHED, proc.stderr[-3000:]
     assert sorted(p.name for p in run_dir.glob("model_*")) == ["model_2", "model_3"]
 
 
@@ -173,12 +174,12 @@ def test_resumable_last_in_a_run_keeps_old_weights_and_resumes_from_the_newest(t
     flags = [*TINY, "--warmup_steps", "0", "--save_every", "1", "--eval_every", "100", "--eval_tokens", "200",
              "--resumable_last", "1", "--save_dir", str(run_dir)]
     proc = run_trainer([*flags, "--num_training_steps", "3"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == ExitCode.FINISHED, proc.stderr[-3000:]
     assert [(run_dir / f"model_{step}" / "training_state.pt").exists() for step in (1, 2, 3)] == [False, False, True]
     slimmed = LlamaForCausalLM.from_pretrained(run_dir / "model_1")  # what the analyses read still loads
     assert torch.isfinite(next(slimmed.parameters())).all()
     proc = run_trainer([*flags, "--num_training_steps", "4", "--resume", "auto"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == ExitCode.FINISHED, proc.stderr[-3000:]
     assert "model_3" in proc.stdout + proc.stderr  # resumed from the one checkpoint that kept its training state
     assert [(run_dir / f"model_{step}" / "training_state.pt").exists() for step in (3, 4)] == [False, True]
 
@@ -191,7 +192,7 @@ def test_post_ln_with_a_huge_lr_diverges_cleanly(tmp_path):
     run_dir = tmp_path / "post"
     proc = run_trainer([*TINY, "--norm_type", "post", "--lr", "1e3", "--warmup_steps", "0", "--grad_clipping", "0",
                      "--num_training_steps", "20", "--eval_every", "100", "--save_dir", str(run_dir)])
-    assert proc.returncode == EXIT_DIVERGED, proc.stderr[-3000:]
+    assert proc.returncode == ExitCode.DIVERGED, proc.stderr[-3000:]
     results = json.loads((run_dir / "results.json").read_text())
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert results["status"] == "diverged" and "non-finite" in results["diverged_reason"]
@@ -210,7 +211,7 @@ def test_a_diverging_resume_keeps_checkpoints_and_metrics(shared_run, tmp_path):
     old_rows = read_jsonl(run_dir / "metrics.jsonl")
     # The spike rule: any loss above 0.01 counts as divergence, so the first resumed update diverges.
     proc = run_trainer([*SHARED_RUN, "--continue_from", str(run_dir / f"model_{STEPS}"), "--divergence_loss", "0.01"])
-    assert proc.returncode == EXIT_DIVERGED, proc.stderr[-3000:]
+    assert proc.returncode == ExitCode.DIVERGED, proc.stderr[-3000:]
     # Resuming from step STEPS supersedes the later checkpoint: it moves, unchanged, into superseded/.
     kept = {p.name: tree_hashes(p) for p in [*run_dir.glob("model_*"), *run_dir.glob("superseded/model_*")]}
     assert kept == checkpoints_before and (run_dir / "superseded" / f"model_{2 * STEPS}").is_dir()
@@ -325,7 +326,7 @@ def test_bad_values_are_one_line_errors_naming_the_flag(extra, flag, monkeypatch
     (tmp_path / "file").write_text("not a folder")
     with pytest.raises(SystemExit) as exit_info:
         args_utils.parse_args([*BASE, *[arg.format(tmp=tmp_path) for arg in extra]], world_size=1)
-    assert exit_info.value.code == 2
+    assert exit_info.value.code == ExitCode.BAD_INPUT
     message = capsys.readouterr().err.strip()
     assert len(message.splitlines()) == 1 and flag in message, message
     assert [p.name for p in tmp_path.iterdir()] == ["file"]  # nothing created
@@ -373,7 +374,7 @@ def test_corrupt_checkpoint_is_a_clear_error_and_creates_nothing(shared_run, tmp
     (broken / "training_state.pt").write_bytes(state[: len(state) // 2])
     out = tmp_path / "out"
     proc = run_trainer([*SHARED_RUN, "--continue_from", str(broken), "--save_dir", str(out)])
-    assert proc.returncode == 2
+    assert proc.returncode == ExitCode.BAD_INPUT
     error_lines = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(error_lines) == 1 and "--continue_from" in error_lines[0] and "corrupt" in error_lines[0]
     assert not out.exists()
@@ -382,7 +383,7 @@ def test_corrupt_checkpoint_is_a_clear_error_and_creates_nothing(shared_run, tmp
 def test_max_length_beyond_the_models_positions_is_a_one_line_error(tmp_path):
     out = tmp_path / "out"
     proc = run_trainer([*TINY, "--max_length", "1025", "--save_dir", str(out)])
-    assert proc.returncode == 2
+    assert proc.returncode == ExitCode.BAD_INPUT
     error_lines = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(error_lines) == 1 and "--max_length 1025" in error_lines[0], proc.stderr[-2000:]
     assert "max_position_embeddings 1024" in error_lines[0]
@@ -396,12 +397,12 @@ def test_wandb_without_api_key_runs_offline_without_prompting(tmp_path):
     run_dir = tmp_path / "run"
     flags = [*TINY, "--warmup_steps", "0", "--eval_every", "100", "--eval_tokens", "200", "--save_every", "2"]
     proc = run_trainer([*flags, "--num_training_steps", "2", "--save_dir", str(run_dir)], env=env, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == ExitCode.FINISHED, proc.stderr[-3000:]
     assert list((run_dir / "wandb").glob("offline-run-*")), "expected an offline wandb run inside the run folder"
 
     # A resume of the folder continues the same wandb run (the id kept in RUN/wandb_run_id), not a second one.
     proc = run_trainer([*flags, "--num_training_steps", "3", "--continue_from", str(run_dir)], env=env, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == ExitCode.FINISHED, proc.stderr[-3000:]
     legs = sorted(leg.name for leg in (run_dir / "wandb").glob("offline-run-*"))  # offline-run-<time>-<id>
     assert len(legs) == 2 and len({leg.rsplit("-", 1)[1] for leg in legs}) == 1, legs
     assert legs[0].endswith("-" + (run_dir / "wandb_run_id").read_text().strip())
@@ -417,7 +418,7 @@ def test_paper_script_passes_norm_post_num_and_extra_flags(tmp_path):
          "--total_batch_size", "2", "--num_training_steps", "2", "--warmup_steps", "1", "--eval_tokens", "200",
          "--save_dir", str(run_dir)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == ExitCode.FINISHED, proc.stderr[-3000:]
     results = json.loads((run_dir / "results.json").read_text())
     assert (results["norm_type"], results["post_num"], results["status"]) == ("lns", 3, "finished")
     assert read_jsonl(run_dir / "metrics.jsonl")[0]["lr"] == pytest.approx(1e-3)  # the script's lr, warmup 1
@@ -478,7 +479,7 @@ def test_each_baseline_trains_and_its_checkpoint_rebuilds_it(arm, tmp_path, monk
 
     extra = BASELINE_ARMS[arm]
     run_dir = tmp_path / "run"
-    assert train_in_process(extra, run_dir, monkeypatch) == 0
+    assert train_in_process(extra, run_dir, monkeypatch) == ExitCode.FINISHED
     results = json.loads((run_dir / "results.json").read_text())
     assert results["status"] == "finished" and math.isfinite(results["final_eval_loss"])
     assert all(math.isfinite(row["loss"]) for row in read_jsonl(run_dir / "metrics.jsonl"))
@@ -495,18 +496,19 @@ def test_each_baseline_trains_and_its_checkpoint_rebuilds_it(arm, tmp_path, monk
 
 def test_resume_refuses_a_different_baseline_option(tmp_path, monkeypatch, capsys):
     run_dir = tmp_path / "run"
-    assert train_in_process(["--norm_type", "completep"], run_dir, monkeypatch) == 0
+    assert train_in_process(["--norm_type", "completep"], run_dir, monkeypatch) == ExitCode.FINISHED
     capsys.readouterr()
     code = train_in_process(["--continue_from", str(run_dir / "model_2"), "--num_training_steps", "4",
                              "--completep_alpha", "0.5"], run_dir, monkeypatch)
-    assert code == 2
+    assert code == ExitCode.BAD_INPUT
     error = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(error) == 1 and "--completep_alpha" in error[0]
 
 
 def test_a_rival_that_spikes_stops_as_diverged(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
-    assert train_in_process(["--norm_type", "peri", "--divergence_loss", "0.01"], run_dir, monkeypatch) == EXIT_DIVERGED
+    code = train_in_process(["--norm_type", "peri", "--divergence_loss", "0.01"], run_dir, monkeypatch)
+    assert code == ExitCode.DIVERGED
     results = json.loads((run_dir / "results.json").read_text())
     assert results["status"] == "diverged" and results["step"] == 1 and not list(run_dir.glob("model_*"))
 
@@ -538,7 +540,7 @@ def test_empty_documents_do_not_stop_a_run(tmp_path, monkeypatch):
     corpus = write_corpus(tmp_path / "corpus", texts)
     run_dir = tmp_path / "run"
     extra = ["--dataset_path", str(corpus), "--tokenizer", "embedded", "--batch_size", "1", "--total_batch_size", "2"]
-    assert train_in_process(extra, run_dir, monkeypatch) == 0
+    assert train_in_process(extra, run_dir, monkeypatch) == ExitCode.FINISHED
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert len(rows) == 2 and all(math.isfinite(row["loss"]) for row in rows)
     assert json.loads((run_dir / "results.json").read_text())["status"] == "finished"
@@ -547,7 +549,7 @@ def test_empty_documents_do_not_stop_a_run(tmp_path, monkeypatch):
 def test_training_data_without_any_target_is_a_one_line_error(tmp_path, monkeypatch, capsys):
     corpus = write_corpus(tmp_path / "corpus", [""] * 8)
     extra = ["--dataset_path", str(corpus), "--tokenizer", "embedded"]
-    assert train_in_process(extra, tmp_path / "run", monkeypatch) == 2
+    assert train_in_process(extra, tmp_path / "run", monkeypatch) == ExitCode.BAD_INPUT
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and "error: no training document holds a target token" in errors[0], errors
 
