@@ -145,11 +145,11 @@ def check_checkpoint_matches(args, config, checkpoint: str):
                            f"checkpoint's {saved.get(key)} (--continue_from {checkpoint})")
 
 
-def unfinished_last_checkpoint(args, resume_state: dict) -> bool:
+def unfinished_last_checkpoint(args, resume_step: int) -> bool:
     """The run's last checkpoint, resumed in its own folder, which has no results.json: the run stopped between its
     last save and its results, and resuming it only evaluates and writes them."""
     own_folder = run_folder.checkpoint_run_folder(args.continue_from)
-    return (resume_state["update_step"] == args.num_training_steps and os.path.realpath(args.save_dir) == own_folder
+    return (resume_step == args.num_training_steps and os.path.realpath(args.save_dir) == own_folder
             and not os.path.exists(os.path.join(own_folder, "results.json")))
 
 
@@ -347,34 +347,38 @@ class Run:
         with user_errors():
             self.tokenizer = load_tokenizer(args.tokenizer)
         self.config = build_model_config(args, self.tokenizer, self.log)
-        resume_state = self.read_resume_state()
-        sharded = resume_state is not None and resume_state.get("sharded")
+        if args.continue_from is not None:
+            check_checkpoint_matches(args, self.config, args.continue_from)
+        self.checkpointer = checkpointing.Checkpointer(
+            args.continue_from, rank=rank, world_size=world_size, fsdp=args.fsdp, keep_last=args.keep_last,
+            resumable_last=args.resumable_last, log=self.log)
+        self.refuse_a_finished_run()
         # FSDP2 resuming sharded state: no rank builds the full model; the weights are allocated shard by shard
         # after wrapping and filled from the checkpoint's sharded/ folder.
-        meta_init = sharded and args.fsdp
-        self.model = self.build_model(resume_state, meta_init)
+        meta_init = self.checkpointer.sharded and args.fsdp
+        self.model = self.build_model(meta_init)
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.describe_model()
         self.data_source = dict(dataset=args.dataset, dataset_path=args.dataset_path,
                                 dataset_config=args.dataset_config, tokenizer=self.tokenizer,
                                 max_length=args.max_length, packing=args.packing)
-        self.stream = self.open_data(resume_state)
+        self.stream = self.open_data()
         # Only now: bad input above leaves no empty run folder behind.
-        self.run_dir = open_run_folder(args, rank, resume_state["update_step"] if resume_state else None, on_exit,
-                                       self.log)
+        self.run_dir = open_run_folder(args, rank, self.checkpointer.resume_step, on_exit, self.log)
         self.train_model = self.wrap_model(meta_init)
         self.optimizer = training_utils.build_optimizer(self.train_model.parameters(), args.optimizer, args.lr,
                                                         args.weight_decay, args.adam_kernel)
-        self.progress = self.restore_optimizer_and_position(resume_state, sharded)
+        self.checkpointer.load_optimizer(self.train_model, self.optimizer)
+        update_step, tokens_seen = self.checkpointer.resume_position()
+        self.progress = Progress(update_step=update_step, tokens_seen=tokens_seen,
+                                 last_checkpoint=args.continue_from)
         # On resume the schedule continues at update_step with this command line's --lr/--warmup_steps/...
-        # (pass the same flags for an exact resume; differences are printed below).
+        # (pass the same flags for an exact resume; differences are noted by load_rng).
         self.scheduler = training_utils.build_scheduler(
             self.optimizer, scheduler_type=args.scheduler, num_training_steps=args.num_training_steps,
             warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio, lr=args.lr,
-            weight_decay=args.weight_decay, resume_at=self.progress.update_step)
-        if resume_state is not None:
-            self.restore_rng(resume_state)
-        del resume_state
+            weight_decay=args.weight_decay, resume_at=update_step)
+        self.checkpointer.load_rng(args)
         self.metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
         self.metrics, self.wandb_run = self.open_logs()
         self.autocast = autocast_for(args, device)
@@ -392,30 +396,22 @@ class Run:
             tqdm.write(message)
 
     # ---- set-up, in the order __init__ calls it ---------------------------------------------------------------
-    def read_resume_state(self) -> dict | None:
-        args = self.args
-        if args.continue_from is None:
-            return None
-        check_checkpoint_matches(args, self.config, args.continue_from)
-        state = checkpointing.load_training_state(args.continue_from)
-        if state["world_size"] != self.world_size:
-            raise BadInput(f"--continue_from {args.continue_from}: saved with world size {state['world_size']}, "
-                           f"this run has {self.world_size} (the data position is per rank)")
-        if state["update_step"] >= args.num_training_steps and not unfinished_last_checkpoint(args, state):
-            if args.resume == "auto":  # a requeued job whose run has finished
-                self.log(f"--resume auto: {args.save_dir} already finished at step {state['update_step']}; "
-                         f"nothing to do")
-                raise AlreadyFinished
-            raise BadInput(f"--num_training_steps {args.num_training_steps}: the checkpoint is already at step "
-                           f"{state['update_step']}")
-        return state
+    def refuse_a_finished_run(self):
+        args, resume_step = self.args, self.checkpointer.resume_step
+        if (resume_step is None or resume_step < args.num_training_steps
+                or unfinished_last_checkpoint(args, resume_step)):
+            return
+        if args.resume == "auto":  # a requeued job whose run has finished
+            self.log(f"--resume auto: {args.save_dir} already finished at step {resume_step}; nothing to do")
+            raise AlreadyFinished
+        raise BadInput(f"--num_training_steps {args.num_training_steps}: the checkpoint is already at step "
+                       f"{resume_step}")
 
-    def build_model(self, resume_state: dict | None, meta_init: bool):
+    def build_model(self, meta_init: bool):
         args = self.args
         with torch.device("meta") if meta_init else contextlib.nullcontext():
             model = LlamaForCausalLM(self.config)
-        if resume_state is not None and not resume_state.get("sharded"):
-            checkpointing.load_model_weights(args.continue_from, model)
+        self.checkpointer.load_weights(model)
         if args.dtype == "bfloat16":
             model = model.to(dtype=torch.bfloat16)  # pure bf16 weights and optimizer state, as in the paper
         if not meta_init:
@@ -434,7 +430,7 @@ class Run:
         if frozen_gains_note:
             self.log(frozen_gains_note)
 
-    def open_data(self, resume_state: dict | None):
+    def open_data(self):
         """The training stream, at the checkpoint's position; the eval split is opened too, so that a wrong name or a
         missing split fails before any training."""
         args = self.args
@@ -443,43 +439,18 @@ class Run:
                                         rank=self.rank, world_size=self.world_size, num_workers=args.workers)
             next(iter_eval_batches(**self.data_source, batch_size=1, eval_tokens=self.world_size, rank=self.rank,
                                    world_size=self.world_size), None)
-            if resume_state is not None:
-                stream.load_state_dict(resume_state["data"][self.rank])
+            self.checkpointer.load_data_position(stream)
         return stream
 
     def wrap_model(self, meta_init: bool):
         """DDP or FSDP2 (wrap_model), then torch.compile when asked; `model` shares its weights."""
         train_model = wrap_model(self.model, self.args, self.world_size, self.device)
         if meta_init:
-            train_model.to_empty(device=self.device)  # this rank's shards only; the sharded load fills them
+            train_model.to_empty(device=self.device)  # this rank's shards only; load_optimizer fills them
             self.model.model.rotary_emb.reset_tables()  # a non-persistent buffer, in no checkpoint
         if self.args.compile:
             train_model = torch.compile(train_model)  # saving goes through `model`: unchanged
         return train_model
-
-    def restore_optimizer_and_position(self, resume_state: dict | None, sharded: bool) -> Progress:
-        args = self.args
-        if sharded:
-            try:
-                with checkpointing.keeping_adam_kernel(self.optimizer):
-                    checkpointing.load_sharded(args.continue_from, self.train_model, self.optimizer)
-            except checkpointing.ShardedLoadError as err:
-                raise checkpointing.CheckpointError(str(err)) from err
-        elif resume_state is not None:
-            checkpointing.load_optimizer_state(self.train_model, self.optimizer, resume_state["optimizer"])
-        if resume_state is None:
-            return Progress()
-        return Progress(update_step=resume_state["update_step"], tokens_seen=resume_state["tokens_seen"],
-                        last_checkpoint=args.continue_from)
-
-    def restore_rng(self, resume_state: dict):
-        """Last: after everything that draws random numbers."""
-        args, progress = self.args, self.progress
-        training_utils.restore_rng_state(resume_state["rng"][self.rank])
-        self.log(f"resumed from {args.continue_from}: update step {progress.update_step}, tokens seen "
-                 f"{progress.tokens_seen}")
-        for flag, (saved, now) in training_utils.changed_flags(resume_state.get("args", {}), vars(args)).items():
-            self.log(f"note: --{flag} is {now!r} now, {saved!r} in the checkpoint's run (using {now!r})")
 
     def open_logs(self):
         """(metrics file, wandb run), both on rank 0 only (None elsewhere); rows past the resumed step (all of them
@@ -583,19 +554,10 @@ class Run:
 
     def save(self):
         """Every rank calls this; rank 0 writes, then tells every rank whether it worked (no rank is left waiting)."""
-        args, run_dir, progress = self.args, self.run_dir, self.progress
+        run_dir, progress = self.run_dir, self.progress
         step = progress.update_step
-        sharded_dir = None
-        if args.fsdp:  # each rank writes its own shards; rank 0 gathers the model weights for the HF export
-            sharded_dir = checkpointing.save_sharded(run_dir, step, self.train_model, self.optimizer)
-            model_state, optimizer_state = checkpointing.full_model_state(self.train_model), None
-        else:
-            model_state, optimizer_state = checkpointing.full_state_dicts(self.train_model, self.optimizer)
-        rng_states = training_utils.gather_rank_objects(training_utils.capture_rng_state())
-        data_states = training_utils.gather_rank_objects(self.stream.state_dict())
-        # DDP replicas must be bit-identical; record every rank's checksum so a silent desync is visible.
-        checksums = (training_utils.gather_rank_objects(training_utils.parameter_checksum(self.model))
-                     if not args.fsdp else None)
+        gathered = self.checkpointer.gather(run_dir, step, model=self.model, train_model=self.train_model,
+                                            optimizer=self.optimizer, stream=self.stream)
         path = checkpointing.checkpoint_dir(run_dir, step)
         with failure_shared_by_every_rank(
                 run_dir, no_space=f"run folder {run_dir}: no space left on device while saving {path}; removed the "
@@ -603,24 +565,11 @@ class Run:
                 failed=f"rank 0 could not save {path}",
                 on_failure=lambda: run_folder.remove_partial_checkpoints(run_dir)):
             if self.is_main:
-                if checksums is not None and len(set(checksums)) > 1:
-                    self.log(f"WARNING: ranks' parameters differ at step {step}: checksums {checksums}")
                 self.rank0_writes.raise_held()  # a row rank 0 failed to write: no checkpoint outlives it
                 self.metrics.sync()  # a power loss may not keep a checkpoint without the rows up to it
-                path = checkpointing.save_checkpoint(
-                    run_dir, step, hf_model=self.export_model, model_state=model_state, tokenizer=self.tokenizer,
-                    training_state={"update_step": step, "tokens_seen": progress.tokens_seen,
-                                    "world_size": self.world_size, "optimizer": optimizer_state,
-                                    "scheduler": self.scheduler.state_dict(), "rng": rng_states,
-                                    "data": data_states, "args": vars(args), "rank_param_checksums": checksums,
-                                    "sharded": args.fsdp},
-                    sharded_dir=sharded_dir)
-                run_folder.fsync_dir(run_dir)  # the rename into model_<step> survives a power loss
-                self.log(f"checkpoint: {path}")
-                for removed in checkpointing.prune_checkpoints(run_dir, step, args.keep_last):
-                    self.log(f"removed {removed} (--keep_last {args.keep_last})")
-                for slimmed in checkpointing.drop_training_state(run_dir, step, args.resumable_last):
-                    self.log(f"dropped the training state of {slimmed} (--resumable_last {args.resumable_last})")
+                path = self.checkpointer.write(run_dir, step, gathered, export_model=self.export_model,
+                                               tokenizer=self.tokenizer, scheduler=self.scheduler,
+                                               tokens_seen=progress.tokens_seen, args=self.args)
         progress.last_checkpoint = path
 
     # ---- the end ------------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Checkpoints: model_<step>/ written atomically and read back on resume, sharded FSDP2 state, memory-mapped loading,
-pruning old saves. (Which checkpoint a run folder resumes from: run_folder.find_checkpoint.)
+pruning old saves, and the trainer's Checkpointer, which owns both the resume and the save.
+(Which checkpoint a run folder resumes from: run_folder.find_checkpoint.)
 
 A checkpoint folder model_<step>/ always holds an HF export (config.json, model.safetensors, tokenizer files) that
 the analyses and lm-eval read, and training_state.pt. What resumes the run differs:
@@ -29,7 +30,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from peft_pretraining.run_folder import CHECKPOINT_PREFIX, TRAINING_STATE_FILE
+from peft_pretraining.run_folder import CHECKPOINT_PREFIX, TRAINING_STATE_FILE, fsync_dir
+from peft_pretraining.training_utils import (
+    capture_rng_state,
+    changed_flags,
+    gather_rank_objects,
+    parameter_checksum,
+    restore_rng_state,
+)
 
 CHECKPOINT_FORMAT = 1
 SHARDED_DIR = "sharded"  # DCP files inside a checkpoint folder: .metadata and one __<rank>_0.distcp per rank
@@ -301,3 +309,118 @@ def load_optimizer_state(model, optimizer, optimizer_state: dict):
     options = StateDictOptions(full_state_dict=True)
     with keeping_adam_kernel(optimizer):
         set_optimizer_state_dict(model, optimizer, optim_state_dict=optimizer_state, options=options)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The trainer's checkpoints, both ways
+# ----------------------------------------------------------------------------------------------------------------
+
+class Checkpointer:
+    """What a run resumes from and what it saves.
+
+    Resuming: --continue_from's training state is read once, at start-up, and restored piece by piece as the
+    trainer builds each object (weights, data position, optimizer, schedule position, RNGs), then released.
+    Saving: every rank gathers its part (shards, RNG, data position), then rank 0 writes model_<step>/ atomically,
+    prunes (--keep_last) and slims (--resumable_last) the older checkpoints.
+    """
+
+    def __init__(self, resume_from: str | None, *, rank: int, world_size: int, fsdp: bool, keep_last: int | None,
+                 resumable_last: int | None, log):
+        self.resume_from = resume_from
+        self.rank, self.world_size, self.fsdp = rank, world_size, fsdp
+        self.keep_last, self.resumable_last = keep_last, resumable_last
+        self.log = log
+        self.resume_state = self._read_resume_state() if resume_from is not None else None
+
+    # ---- resume, in the order the trainer builds what it restores ----------------------------------------------
+    def _read_resume_state(self) -> dict:
+        state = load_training_state(self.resume_from)
+        if state["world_size"] != self.world_size:
+            raise CheckpointError(f"--continue_from {self.resume_from}: saved with world size {state['world_size']}, "
+                                  f"this run has {self.world_size} (the data position is per rank)")
+        return state
+
+    @property
+    def resume_step(self) -> int | None:
+        return self.resume_state["update_step"] if self.resume_state is not None else None
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2 state: the weights come from sharded/ after wrapping, not from the safetensors."""
+        return self.resume_state is not None and bool(self.resume_state.get("sharded"))
+
+    def load_weights(self, model):
+        if self.resume_state is not None and not self.sharded:
+            load_model_weights(self.resume_from, model)
+
+    def load_data_position(self, stream):
+        if self.resume_state is not None:
+            stream.load_state_dict(self.resume_state["data"][self.rank])
+
+    def load_optimizer(self, train_model, optimizer):
+        """The optimizer state (and, for sharded state, the weights: this rank's shards)."""
+        if self.sharded:
+            try:
+                with keeping_adam_kernel(optimizer):
+                    load_sharded(self.resume_from, train_model, optimizer)
+            except ShardedLoadError as err:
+                raise CheckpointError(str(err)) from err
+        elif self.resume_state is not None:
+            load_optimizer_state(train_model, optimizer, self.resume_state["optimizer"])
+
+    def resume_position(self) -> tuple[int, int]:
+        """(update step, tokens seen) of the checkpoint; (0, 0) for a fresh start."""
+        if self.resume_state is None:
+            return 0, 0
+        return self.resume_state["update_step"], self.resume_state["tokens_seen"]
+
+    def load_rng(self, args):
+        """Last: after everything that draws random numbers. Then the checkpoint's state is released (the
+        optimizer's is memory-mapped), and the flags that differ from the checkpoint's run are noted."""
+        if self.resume_state is None:
+            return
+        state, self.resume_state = self.resume_state, None
+        restore_rng_state(state["rng"][self.rank])
+        self.log(f"resumed from {self.resume_from}: update step {state['update_step']}, tokens seen "
+                 f"{state['tokens_seen']}")
+        for flag, (saved, now) in changed_flags(state.get("args", {}), vars(args)).items():
+            self.log(f"note: --{flag} is {now!r} now, {saved!r} in the checkpoint's run (using {now!r})")
+
+    # ---- save: gathered on every rank, written by rank 0 -----------------------------------------------------
+    def gather(self, run_dir: str, step: int, *, model, train_model, optimizer, stream) -> dict:
+        """Collective: this step's state from every rank (FSDP2: each rank's shards are written here already)."""
+        if self.fsdp:  # each rank writes its own shards; rank 0 gathers the model weights for the HF export
+            sharded_dir = save_sharded(run_dir, step, train_model, optimizer)
+            model_state, optimizer_state = full_model_state(train_model), None
+        else:
+            sharded_dir = None
+            model_state, optimizer_state = full_state_dicts(train_model, optimizer)
+        return {
+            "sharded_dir": sharded_dir, "model_state": model_state, "optimizer_state": optimizer_state,
+            "rng": gather_rank_objects(capture_rng_state()),
+            "data": gather_rank_objects(stream.state_dict()),
+            # DDP replicas must be bit-identical; every rank's checksum makes a silent desync visible.
+            "checksums": gather_rank_objects(parameter_checksum(model)) if not self.fsdp else None,
+        }
+
+    def write(self, run_dir: str, step: int, gathered: dict, *, export_model, tokenizer, scheduler,
+              tokens_seen: int, args) -> str:
+        """Rank 0: model_<step>/ from what gather() returned, made durable, then the older checkpoints pruned and
+        slimmed. Returns the checkpoint's folder."""
+        checksums = gathered["checksums"]
+        if checksums is not None and len(set(checksums)) > 1:
+            self.log(f"WARNING: ranks' parameters differ at step {step}: checksums {checksums}")
+        path = save_checkpoint(
+            run_dir, step, hf_model=export_model, model_state=gathered["model_state"], tokenizer=tokenizer,
+            training_state={"update_step": step, "tokens_seen": tokens_seen, "world_size": self.world_size,
+                            "optimizer": gathered["optimizer_state"], "scheduler": scheduler.state_dict(),
+                            "rng": gathered["rng"], "data": gathered["data"], "args": vars(args),
+                            "rank_param_checksums": checksums, "sharded": self.fsdp},
+            sharded_dir=gathered["sharded_dir"])
+        fsync_dir(run_dir)  # the rename into model_<step> survives a power loss
+        self.log(f"checkpoint: {path}")
+        for removed in prune_checkpoints(run_dir, step, self.keep_last):
+            self.log(f"removed {removed} (--keep_last {self.keep_last})")
+        for slimmed in drop_training_state(run_dir, step, self.resumable_last):
+            self.log(f"dropped the training state of {slimmed} (--resumable_last {self.resumable_last})")
+        return path
