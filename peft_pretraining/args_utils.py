@@ -274,8 +274,8 @@ def resolve_resume_auto(args, parser):
         args.continue_from = args.save_dir
 
 
-def check_args(args, parser, world_size: int):
-    """Validate and fill derived values; every failure is parser.error (exit 2, one line naming the flag)."""
+def _check_numbers(args, parser):
+    """Finite floats, the seed's range, a positive --divergence_loss; --dtype's short names spelled out."""
     args.dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(args.dtype, args.dtype)
     for action in parser._actions:  # nan passes every range check below (nan <= 0 is False), inf most of them
         value = getattr(args, action.dest, None)
@@ -287,6 +287,9 @@ def check_args(args, parser, world_size: int):
         parser.error(f"--divergence_loss must be positive (it would stop every run at its first update), got "
                      f"{args.divergence_loss:g}")
 
+
+def _resolve_checkpoint(args, parser):
+    """--resume auto and --continue_from: the checkpoint itself (a run folder's newest), complete."""
     if args.resume == "auto":
         resolve_resume_auto(args, parser)
     if args.continue_from is not None:
@@ -305,6 +308,11 @@ def check_args(args, parser, world_size: int):
                 parser.error(f"--continue_from {checkpoint}: incomplete checkpoint, {needed} missing")
         if not glob.glob(os.path.join(checkpoint, "*.safetensors")):
             parser.error(f"--continue_from {checkpoint}: incomplete checkpoint, no *.safetensors weights")
+
+
+def _resolve_model(args, parser):
+    """The norm placement (the checkpoint's, unless overridden) and --model_config (the checkpoint's by default),
+    read and checked against --post_num."""
     saved_config = {}
     if args.continue_from is not None:
         try:
@@ -331,6 +339,9 @@ def check_args(args, parser, world_size: int):
     if not 0 <= args.post_num <= num_layers:
         parser.error(f"--post_num {args.post_num}: must be between 0 and num_hidden_layers={num_layers}")
 
+
+def _resolve_data(args, parser):
+    """--dataset_path exists (a named local corpus: its train folder); --tokenizer defaults to the dataset's own."""
     if args.dataset_path is not None and not os.path.exists(args.dataset_path):
         parser.error(f"--dataset_path {args.dataset_path}: no such file or folder")
     if args.dataset == WIKIPEDIA and args.dataset_path is None:  # a named local corpus: its train folder
@@ -341,6 +352,9 @@ def check_args(args, parser, world_size: int):
     if args.tokenizer is None:
         args.tokenizer = (args.dataset if args.dataset in (DATASET_EMBEDDED, WIKIPEDIA) else DEFAULT_HUB_TOKENIZER)
 
+
+def _check_ranges(args, parser):
+    """Counts, rates and retention flags within their ranges."""
     for flag in ("batch_size", "max_length", "eval_every", "save_every", "eval_tokens"):
         if getattr(args, flag) <= 0:
             parser.error(f"--{flag} must be positive, got {getattr(args, flag)}")
@@ -362,7 +376,10 @@ def check_args(args, parser, world_size: int):
     if args.weight_decay < 0:
         parser.error(f"--weight_decay must be >= 0, got {args.weight_decay}")
 
-    # Batch arithmetic: total = micro-batch * accumulation * world size, exactly.
+
+def _resolve_batch_sizes(args, parser, world_size: int):
+    """Batch arithmetic: total = micro-batch x accumulation x world size, exactly; --eval_batch_size defaults to
+    --batch_size."""
     per_step = args.batch_size * world_size
     if args.gradient_accumulation is None and args.total_batch_size is None:
         args.gradient_accumulation = 1
@@ -379,6 +396,9 @@ def check_args(args, parser, world_size: int):
     if args.eval_batch_size is None:
         args.eval_batch_size = args.batch_size
 
+
+def _resolve_run_length(args, parser):
+    """--num_training_steps (or --max_train_tokens in tokens) and --warmup_steps below it."""
     if args.max_train_tokens is not None:
         if args.max_train_tokens <= 0:
             parser.error(f"--max_train_tokens must be positive, got {args.max_train_tokens}")
@@ -389,6 +409,9 @@ def check_args(args, parser, world_size: int):
         parser.error(f"--warmup_steps {args.warmup_steps} must be >= 0 and below --num_training_steps "
                      f"{args.num_training_steps}")
 
+
+def _check_devices(args, parser, world_size: int):
+    """Wrapping, timeout and device flags that this machine and world size can honour."""
     if args.single_gpu and world_size > 1:
         parser.error(f"--single_gpu trains without DDP and needs one process, but world size is {world_size}")
     if args.fsdp and args.single_gpu:
@@ -407,6 +430,10 @@ def check_args(args, parser, world_size: int):
         if liger_import_error():
             parser.error(f"--loss liger: {liger_import_error()}; pip install liger-kernel")
 
+
+def _resolve_run_folder(args, parser):
+    """--run_name, and --save_dir (the checkpoint's run folder by default): usable, not locked, and not holding
+    another run."""
     if args.run_name is None:
         stem = os.path.splitext(os.path.basename(args.model_config))[0].removeprefix("llama_")
         suffix = f"{args.post_num}" if args.norm_type == "post_pre" else ""
@@ -432,6 +459,19 @@ def check_args(args, parser, world_size: int):
     if args.save_dir is not None and args.continue_from is not None and \
             run_folder.branches_into_another_run(args.continue_from, args.save_dir):
         parser.error(run_folder.branch_refusal(args.continue_from, args.save_dir))
+
+
+def check_args(args, parser, world_size: int):
+    """Validate and fill derived values; every failure is parser.error (exit 2, one line naming the flag)."""
+    _check_numbers(args, parser)
+    _resolve_checkpoint(args, parser)
+    _resolve_model(args, parser)
+    _resolve_data(args, parser)
+    _check_ranges(args, parser)
+    _resolve_batch_sizes(args, parser, world_size)
+    _resolve_run_length(args, parser)
+    _check_devices(args, parser, world_size)
+    _resolve_run_folder(args, parser)
     return args
 
 
