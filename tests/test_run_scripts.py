@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from peft_pretraining.exit_codes import ExitCode
+
 REPO = Path(__file__).resolve().parent.parent
 FEW_STEPS = ["--model_config", "configs/llama_tiny.json", "--max_length", "32", "--num_training_steps", "4",
              "--warmup_steps", "0", "--eval_every", "4", "--save_every", "4", "--eval_tokens", "500"]
@@ -21,14 +23,14 @@ def run_tiny(*flags, nproc=2, timeout=180):
 
 def test_run_tiny_under_torchrun_exits_2_on_a_bad_flag(tmp_path):
     proc = run_tiny(*FEW_STEPS, "--no_such_flag", "--save_dir", str(tmp_path / "run"))
-    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.returncode == ExitCode.BAD_INPUT, proc.stderr[-2000:]
     assert not (tmp_path / "run").exists()
 
 
 def test_run_tiny_under_torchrun_exits_3_on_divergence_with_results_written(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_tiny(*FEW_STEPS, "--lr", "1e39", "--save_dir", str(run_dir))
-    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert proc.returncode == ExitCode.DIVERGED, proc.stderr[-2000:]
     results = json.loads((run_dir / "results.json").read_text())  # rank 0 finished writing before the ranks left
     assert results["status"] == "diverged" and results["step"] < 4
 
