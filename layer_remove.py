@@ -28,16 +28,13 @@ from tqdm.auto import tqdm
 from peft_pretraining import lm_eval_tasks
 from peft_pretraining.cli import OneLineErrorParser
 from peft_pretraining.layernorm_scaling import fold_layernorm_scaling, has_layernorm_scaling
+from peft_pretraining.model_parts import decoder_layers, is_our_config
 from utils import model_io
 
 # Config attributes holding one entry per layer; the removed layer's entry is dropped.
 PER_LAYER_CONFIG_KEYS = ("layer_types", "layer_norm_types", "layer_depths")
 # Config attributes a removal may change, snapshotted so an in-memory removal can be undone exactly.
 _RESTORED_CONFIG_KEYS = ("num_hidden_layers", "deepnorm_num_layers", *PER_LAYER_CONFIG_KEYS)
-
-
-def is_our_config(config) -> bool:
-    return getattr(config, "norm_type", None) is not None
 
 
 def check_layer_index(layer_index: int, num_layers: int) -> None:
@@ -58,7 +55,7 @@ def _renumber_layers(layers) -> None:
 
 def remove_layer(model, layer_index: int):
     """Remove decoder layer ``layer_index`` (0-based) in place; returns the removed module."""
-    layers = model_io.decoder_layers(model)
+    layers = decoder_layers(model)
     check_layer_index(layer_index, len(layers))
     config = model.config
     if is_our_config(config):
@@ -79,7 +76,7 @@ def remove_layer(model, layer_index: int):
 @contextlib.contextmanager
 def layer_removed(model, layer_index: int):
     """Remove a layer for the duration of the block, then put the model and its config back as they were."""
-    layers = model_io.decoder_layers(model)
+    layers = decoder_layers(model)
     saved = {key: copy.deepcopy(getattr(model.config, key)) for key in _RESTORED_CONFIG_KEYS
              if hasattr(model.config, key)}
     removed = remove_layer(model, layer_index)
@@ -220,7 +217,7 @@ def sweep(model, tokenizer, tasks: list[str], manager, max_length: int, metric: 
     far after each evaluation (run_sweep writes them to disk, so that a killed sweep keeps what it measured);
     ``done`` ({"rows", "higher_is_better"} from that file) resumes: its baseline is reused and its layers skipped.
     """
-    num_layers = len(model_io.decoder_layers(model))
+    num_layers = len(decoder_layers(model))
     layer_indices = list(range(num_layers)) if layer_indices is None else layer_indices
     for index in layer_indices:
         check_layer_index(index, num_layers)

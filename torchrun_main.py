@@ -24,7 +24,19 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from peft_pretraining import args_utils, checkpointing, run_folder, training_utils
+from peft_pretraining import (
+    args_utils,
+    checkpointing,
+    evaluation,
+    host_memory,
+    metrics_file,
+    norm_gains,
+    optimization,
+    plots,
+    rng,
+    run_folder,
+    wandb_logging,
+)
 from peft_pretraining.dataloader import (
     IGNORE_INDEX,
     VOCAB_MULTIPLE,
@@ -340,8 +352,8 @@ class Run:
     def __init__(self, args, rank: int, world_size: int, device, on_exit: contextlib.ExitStack):
         self.args, self.rank, self.world_size, self.device = args, rank, world_size, device
         self.is_main = rank == 0
-        training_utils.seed_everything(args.seed)
-        if device.type == "cpu" and training_utils.keep_freed_host_memory():
+        rng.seed_everything(args.seed)
+        if device.type == "cpu" and host_memory.keep_freed_host_memory():
             self.log("host memory: freed tensors stay with the process for reuse, so steps do not page-fault anew "
                      "(more resident memory; MALLOC_MMAP_THRESHOLD_=131072 in the environment opts out)")
         with user_errors():
@@ -366,15 +378,15 @@ class Run:
         # Only now: bad input above leaves no empty run folder behind.
         self.run_dir = open_run_folder(args, rank, self.checkpointer.resume_step, on_exit, self.log)
         self.train_model = self.wrap_model(meta_init)
-        self.optimizer = training_utils.build_optimizer(self.train_model.parameters(), args.optimizer, args.lr,
-                                                        args.weight_decay, args.adam_kernel)
+        self.optimizer = optimization.build_optimizer(self.train_model.parameters(), args.optimizer, args.lr,
+                                                      args.weight_decay, args.adam_kernel)
         self.checkpointer.load_optimizer(self.train_model, self.optimizer)
         update_step, tokens_seen = self.checkpointer.resume_position()
         self.progress = Progress(update_step=update_step, tokens_seen=tokens_seen,
                                  last_checkpoint=args.continue_from)
         # On resume the schedule continues at update_step with this command line's --lr/--warmup_steps/...
         # (pass the same flags for an exact resume; differences are noted by load_rng).
-        self.scheduler = training_utils.build_scheduler(
+        self.scheduler = optimization.build_scheduler(
             self.optimizer, scheduler_type=args.scheduler, num_training_steps=args.num_training_steps,
             warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio, lr=args.lr,
             weight_decay=args.weight_decay, resume_at=update_step)
@@ -426,7 +438,7 @@ class Run:
         wrap = "fsdp2" if args.fsdp else "ddp" if self.world_size > 1 else "none"
         self.log(f"model: {args.model_config} {options} params={self.n_params / 1e6:.2f}M dtype={args.dtype} "
                  f"device={self.device} world_size={self.world_size} wrap={wrap}")
-        frozen_gains_note = training_utils.pure_bf16_note(args.dtype, args.optimizer, args.lr)
+        frozen_gains_note = optimization.pure_bf16_note(args.dtype, args.optimizer, args.lr)
         if frozen_gains_note:
             self.log(frozen_gains_note)
 
@@ -462,14 +474,14 @@ class Run:
         with failure_shared_by_every_rank(self.run_dir):
             if self.is_main:
                 with user_errors():
-                    metrics = training_utils.MetricsFile(self.metrics_path, resume_step=self.progress.update_step)
+                    metrics = metrics_file.MetricsFile(self.metrics_path, resume_step=self.progress.update_step)
                 for note in metrics.notes:
                     self.log(note)
                 tags = [t.strip() for t in args.tags.split(",") if t.strip()] if args.tags else None
                 with user_errors():  # a malformed RUN/wandb_run_id is bad input
-                    wandb_run = training_utils.init_wandb(project=args.wandb_project, run_name=args.run_name,
-                                                          config=run_config, tags=tags, run_dir=self.run_dir,
-                                                          resume=args.continue_from is not None)
+                    wandb_run = wandb_logging.init_wandb(project=args.wandb_project, run_name=args.run_name,
+                                                         config=run_config, tags=tags, run_dir=self.run_dir,
+                                                         resume=args.continue_from is not None)
         return metrics, wandb_run
 
     # ---- one update -------------------------------------------------------------------------------------------
@@ -510,7 +522,7 @@ class Run:
         dist.all_reduce(update_stats)
         loss, tokens, stops = update_stats.tolist()  # one copy to the host, not one per value
         return Update(loss=loss, tokens=int(tokens),
-                      grad_norm=training_utils.grad_norm_and_clip(self.train_model.parameters(), args.grad_clipping),
+                      grad_norm=optimization.grad_norm_and_clip(self.train_model.parameters(), args.grad_clipping),
                       stop_requested=stops > 0)
 
     def divergence(self, update: Update) -> str | None:
@@ -546,9 +558,9 @@ class Run:
             self.eval_batches.extend(iter_eval_batches(**self.data_source, batch_size=args.eval_batch_size,
                                                        eval_tokens=args.eval_tokens, rank=self.rank,
                                                        world_size=self.world_size))
-        result = training_utils.evaluate(self.train_model if args.fsdp else self.model, self.eval_batches,
-                                         device=self.device, eval_tokens=args.eval_tokens, autocast=self.autocast,
-                                         lockstep=args.fsdp, show_progress=self.is_main)
+        result = evaluation.evaluate(self.train_model if args.fsdp else self.model, self.eval_batches,
+                                     device=self.device, eval_tokens=args.eval_tokens, autocast=self.autocast,
+                                     lockstep=args.fsdp, show_progress=self.is_main)
         self.progress.last_eval = dict(result, step=self.progress.update_step)
         return self.progress.last_eval
 
@@ -606,12 +618,11 @@ class Run:
             "checkpoint": progress.last_checkpoint,
         }
         results_path = os.path.join(self.run_dir, "results.json")
-        run_folder.write_json_atomic(results_path, {k: training_utils.json_safe(v) for k, v in results.items()})
+        run_folder.write_json_atomic(results_path, {k: metrics_file.json_safe(v) for k, v in results.items()})
         plot_path = os.path.join(self.run_dir, "loss_curve.png")
-        training_utils.plot_loss_curve(self.metrics_path, plot_path, title=f"{args.run_name} ({progress.status})")
-        gains_plot_path = training_utils.plot_norm_gains(self.metrics_path,
-                                                         os.path.join(self.run_dir, "norm_gains.png"),
-                                                         title=f"{args.run_name}: mean RMSNorm gain per layer")
+        plots.plot_loss_curve(self.metrics_path, plot_path, title=f"{args.run_name} ({progress.status})")
+        gains_plot_path = plots.plot_norm_gains(self.metrics_path, os.path.join(self.run_dir, "norm_gains.png"),
+                                                title=f"{args.run_name}: mean RMSNorm gain per layer")
         wandb_dir = self.wandb_run.dir if self.wandb_run is not None else None
         if self.wandb_run is not None:
             self.wandb_run.summary.update({k: v for k, v in results.items() if v is not None})
@@ -624,7 +635,7 @@ class Run:
               + f"\nplot:       {plot_path}"
               + (f"\nnorm gains: {gains_plot_path}" if gains_plot_path else "")
               + f"\ncheckpoint: {progress.last_checkpoint or 'none'}"
-              + (f"\nwandb:      {wandb_dir} ({training_utils.wandb_mode()})" if wandb_dir else ""),
+              + (f"\nwandb:      {wandb_dir} ({wandb_logging.wandb_mode()})" if wandb_dir else ""),
               flush=True)
 
 
@@ -664,15 +675,15 @@ def train(args, rank: int, world_size: int, device, on_exit: contextlib.ExitStac
         last = progress.update_step == args.num_training_steps
         stopping = update.stop_requested and not last  # the last update finishes the run anyway
         saving = progress.update_step % args.save_every == 0 or last or stopping
-        if saving and not training_utils.parameters_finite(run.model, device):
+        if saving and not optimization.parameters_finite(run.model, device):
             row["diverged"] = f"non-finite weights after update step {progress.update_step}"
         elif progress.update_step % args.eval_every == 0 or last:
-            evaluation = run.evaluate()
-            row.update(eval_loss=evaluation["eval_loss"], eval_ppl=evaluation["eval_ppl"],  # gains: every rank (FSDP)
-                       norm_gain_mean=training_utils.mean_norm_gains(run.model),
-                       final_norm_gain_mean=training_utils.final_norm_gain(run.model))
-            run.log(f"step {progress.update_step}: eval loss {evaluation['eval_loss']:.4f} ppl "
-                    f"{evaluation['eval_ppl']:.2f} over {evaluation['eval_tokens']} tokens")
+            eval_result = run.evaluate()
+            row.update(eval_loss=eval_result["eval_loss"], eval_ppl=eval_result["eval_ppl"],  # gains: every rank (FSDP)
+                       norm_gain_mean=norm_gains.mean_norm_gains(run.model),
+                       final_norm_gain_mean=norm_gains.final_norm_gain(run.model))
+            run.log(f"step {progress.update_step}: eval loss {eval_result['eval_loss']:.4f} ppl "
+                    f"{eval_result['eval_ppl']:.2f} over {eval_result['eval_tokens']} tokens")
         run.write_row(row)
         if run.is_main:
             bar.set_postfix(loss=f"{update.loss:.3f}", lr=f"{row['lr']:.2e}")

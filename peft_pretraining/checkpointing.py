@@ -30,14 +30,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from peft_pretraining.distributed import gather_rank_objects
+from peft_pretraining.rng import capture_rng_state, restore_rng_state
 from peft_pretraining.run_folder import CHECKPOINT_PREFIX, TRAINING_STATE_FILE, fsync_dir
-from peft_pretraining.training_utils import (
-    capture_rng_state,
-    changed_flags,
-    gather_rank_objects,
-    parameter_checksum,
-    restore_rng_state,
-)
 
 CHECKPOINT_FORMAT = 1
 SHARDED_DIR = "sharded"  # DCP files inside a checkpoint folder: .metadata and one __<rank>_0.distcp per rank
@@ -309,6 +304,27 @@ def load_optimizer_state(model, optimizer, optimizer_state: dict):
     options = StateDictOptions(full_state_dict=True)
     with keeping_adam_kernel(optimizer):
         set_optimizer_state_dict(model, optimizer, optim_state_dict=optimizer_state, options=options)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What a resume compares, and what a DDP save checks
+# ----------------------------------------------------------------------------------------------------------------
+
+RESUME_FLAGS_TO_COMPARE = ("lr", "scheduler", "min_lr_ratio", "warmup_steps", "num_training_steps", "weight_decay",
+                           "optimizer", "total_batch_size", "batch_size", "max_length", "packing", "dataset",
+                           "dataset_path", "tokenizer", "dtype", "grad_clipping", "seed", "adam_kernel")
+
+
+def changed_flags(saved_args: dict, new_args: dict) -> dict:
+    """{flag: (checkpoint value, current value)} for the flags that shape the trajectory."""
+    return {k: (saved_args[k], new_args.get(k)) for k in RESUME_FLAGS_TO_COMPARE
+            if k in saved_args and saved_args[k] != new_args.get(k)}
+
+
+def parameter_checksum(model) -> float:
+    """Sum of all parameters in float64: equal on every DDP rank when the replicas are in sync."""
+    with torch.no_grad():
+        return float(sum(p.detach().double().sum().item() for p in model.parameters()))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -118,3 +118,12 @@ def report_exit_code(code: int) -> int:
         with open(os.path.join(folder, f"rank{os.environ.get('RANK', '0')}"), "w") as f:
             f.write(f"{code}\n")
     return code
+
+
+def gather_rank_objects(obj) -> list:
+    """Every rank's `obj`, in rank order (a one-element list without torchrun)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered

@@ -24,6 +24,8 @@ import math
 import torch
 from torch import nn
 
+from peft_pretraining.model_parts import decoder_layers, is_our_config, unwrap
+
 # "llama_norm_placement" is this repository's model (peft_pretraining.modeling_llama); only its Pre-LN takes hooks.
 SUPPORTED_MODEL_TYPES = ("llama", "llama_norm_placement", "mistral", "qwen2", "qwen3")
 BLOCK_NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
@@ -46,37 +48,27 @@ class DepthScale:
         return f"DepthScale({self.scale:.6g})"
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The underlying transformers model of a peft wrapper, or the model itself."""
-    get_base_model = getattr(model, "get_base_model", None)
-    return get_base_model() if callable(get_base_model) else model
-
-
 def _model_type(model: nn.Module) -> str | None:
     config = getattr(model, "config", None)
     return getattr(config, "model_type", None)
 
 
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+def _checked_decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layer list of a supported model (causal LM or bare backbone), after checks."""
-    model = _unwrap(model)
+    model = unwrap(model)
     model_type = _model_type(model)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"LayerNorm Scaling supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; "
             f"got model_type={model_type!r} ({type(model).__name__})"
         )
-    norm_type = getattr(model.config, "norm_type", None)
-    if norm_type is not None and str(norm_type).lower() != "pre":
-        # One of this repository's models: only the plain Pre-LN placement matches HF's layer layout.
+    # Of this repository's models, only the plain Pre-LN placement matches HF's layer layout.
+    if is_our_config(model.config) and str(model.config.norm_type).lower() != "pre":
         raise ValueError(
-            f"apply_layernorm_scaling needs a Pre-LN model; this model has norm_type={norm_type!r} "
+            f"apply_layernorm_scaling needs a Pre-LN model; this model has norm_type={model.config.norm_type!r} "
             "(for LNS pretraining use norm_type='lns' directly)"
         )
-    backbone = model.model if hasattr(model, "model") and hasattr(model.model, "layers") else model
-    layers = getattr(backbone, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"could not find the decoder layers of {type(model).__name__} (expected .model.layers)")
+    layers = decoder_layers(model)
     for index, layer in enumerate(layers):
         for name in BLOCK_NORM_NAMES:
             if not isinstance(getattr(layer, name, None), nn.Module):
@@ -86,7 +78,7 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 def _block_norms(model: nn.Module):
     """Yields (1-based depth, norm module) for every block norm, in layer order."""
-    for index, layer in enumerate(_decoder_layers(model)):
+    for index, layer in enumerate(_checked_decoder_layers(model)):
         for name in BLOCK_NORM_NAMES:
             yield index + 1, getattr(layer, name)
 
@@ -96,7 +88,7 @@ def _lns_hooks(norm: nn.Module) -> dict:
 
 
 def _set_config_flag(model: nn.Module, value: bool) -> None:
-    config = _unwrap(model).config
+    config = unwrap(model).config
     if value:
         setattr(config, CONFIG_FLAG, True)
     elif hasattr(config, CONFIG_FLAG):
@@ -167,7 +159,7 @@ def reapply_layernorm_scaling_from_config(model: nn.Module) -> bool:
 
     Returns True when hooks were attached. Models never patched, or folded, are left unchanged.
     """
-    config = getattr(_unwrap(model), "config", None)
+    config = getattr(unwrap(model), "config", None)
     if not getattr(config, CONFIG_FLAG, False) or has_layernorm_scaling(model):
         return False
     apply_layernorm_scaling(model)

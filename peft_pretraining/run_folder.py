@@ -135,9 +135,10 @@ def write_lines_atomic(path: str, lines: list[str], temp_path: str | None = None
     fsync_dir(os.path.dirname(path) or ".")
 
 
-def write_json_atomic(path: str, payload: dict):
+def write_json_atomic(path: str | os.PathLike, payload: dict, indent: int = 2):
+    """`payload` as JSON in `path` all at once (write_lines_atomic), through the temporary file .<name>.tmp."""
     folder, name = os.path.split(path)
-    write_lines_atomic(path, [json.dumps(payload, indent=2) + "\n"], os.path.join(folder, f".{name}.tmp"))
+    write_lines_atomic(path, [json.dumps(payload, indent=indent) + "\n"], os.path.join(folder, f".{name}.tmp"))
 
 
 def read_jsonl(path: str) -> tuple[list[str], list[str]]:

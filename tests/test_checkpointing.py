@@ -78,7 +78,7 @@ def test_a_sharded_resume_keeps_this_runs_adam_kernel(tmp_path):
     """DCP's set_state_dict replaces the param groups with the saved ones, kernel flags included; the trainer loads
     inside keeping_adam_kernel, as it does for the full state dict."""
     from peft_pretraining.checkpointing import keeping_adam_kernel
-    from peft_pretraining.training_utils import build_optimizer
+    from peft_pretraining.optimization import build_optimizer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))

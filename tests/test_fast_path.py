@@ -249,7 +249,7 @@ def test_plain_attention_is_sdpa(num_kv_heads, masked):
 
 REUSE_PROBE = """
 import resource, sys, torch
-from peft_pretraining.training_utils import keep_freed_host_memory
+from peft_pretraining.host_memory import keep_freed_host_memory
 from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config
 kept = keep_freed_host_memory() if sys.argv[1] == "keep" else None
 torch.manual_seed(0)

@@ -44,7 +44,7 @@ if os.environ.get("FAULT_STAGE"):
 
     # A test that times out asks for every thread's stack (SIGUSR1 would stop the trainer).
     faulthandler.register(signal.SIGUSR2, all_threads=True)
-    from peft_pretraining import checkpointing, training_utils
+    from peft_pretraining import checkpointing, metrics_file
 
     stage, fault_step = os.environ["FAULT_STAGE"], int(os.environ.get("FAULT_STEP", "0"))
     real_save, real_rename, real_replace = checkpointing.save_checkpoint, os.rename, os.replace
@@ -90,14 +90,14 @@ if os.environ.get("FAULT_STAGE"):
 
         run_folder.write_json_atomic = write_json_atomic
     if stage == "enospc_metrics_rank0" and os.environ.get("RANK") == "0":
-        real_write = training_utils.MetricsFile.write
+        real_write = metrics_file.MetricsFile.write
 
         def write(self, row):
             if row["step"] == fault_step:
                 raise OSError(28, "No space left on device (injected)")
             return real_write(self, row)
 
-        training_utils.MetricsFile.write = write
+        metrics_file.MetricsFile.write = write
 '''
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from peft_pretraining import training_utils
+from peft_pretraining import metrics_file, norm_gains, optimization
 from tests.analysis_helpers import tiny_ours
 from tests.conftest import TINY_RUN, run_trainer
 
@@ -61,13 +61,13 @@ def test_pure_bf16_at_lr_1e_3_prints_one_note_and_the_gains_stay_exactly_one(tmp
 
 def test_the_note_threshold_is_where_bf16_rounds_an_update_away_at_one():
     one = torch.ones((), dtype=torch.bfloat16)
-    threshold = training_utils.BF16_SMALLEST_UPDATE_AT_ONE
+    threshold = optimization.BF16_SMALLEST_UPDATE_AT_ONE
     assert one + 0.99 * threshold == one and one + 1.01 * threshold != one
     for optimizer in ("adam", "adamw"):
-        assert training_utils.pure_bf16_note("bfloat16", optimizer, 0.99 * threshold) is not None
-        assert training_utils.pure_bf16_note("bfloat16", optimizer, 1.01 * threshold) is None
-    assert training_utils.pure_bf16_note("mixed", "adam", 1e-3) is None
-    assert training_utils.pure_bf16_note("float32", "adam", 1e-3) is None
+        assert optimization.pure_bf16_note("bfloat16", optimizer, 0.99 * threshold) is not None
+        assert optimization.pure_bf16_note("bfloat16", optimizer, 1.01 * threshold) is None
+    assert optimization.pure_bf16_note("mixed", "adam", 1e-3) is None
+    assert optimization.pure_bf16_note("float32", "adam", 1e-3) is None
 
 
 def test_mean_norm_gains_reads_through_a_wrapper():
@@ -83,12 +83,12 @@ def test_mean_norm_gains_reads_through_a_wrapper():
             super().__init__()
             self.module = module
 
-    assert training_utils.mean_norm_gains(Wrapper(model)) == [1.0, 2.0, 3.0]
-    assert training_utils.final_norm_gain(Wrapper(model)) == 0.5
+    assert norm_gains.mean_norm_gains(Wrapper(model)) == [1.0, 2.0, 3.0]
+    assert norm_gains.final_norm_gain(Wrapper(model)) == 0.5
 
 
 def test_a_layer_without_norms_is_logged_as_null(tmp_path):
-    metrics = training_utils.MetricsFile(str(tmp_path / "metrics.jsonl"))
+    metrics = metrics_file.MetricsFile(str(tmp_path / "metrics.jsonl"))
     metrics.write({"step": 1, "norm_gain_mean": [1.0, float("nan")]})
     metrics.close()
-    assert training_utils.read_metrics(str(tmp_path / "metrics.jsonl")) == [{"step": 1, "norm_gain_mean": [1.0, None]}]
+    assert metrics_file.read_metrics(str(tmp_path / "metrics.jsonl")) == [{"step": 1, "norm_gain_mean": [1.0, None]}]

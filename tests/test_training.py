@@ -18,9 +18,10 @@ from safetensors.torch import load_file
 from peft_pretraining import args_utils
 from peft_pretraining.checkpointing import drop_training_state, prune_checkpoints
 from peft_pretraining.dataloader import build_train_stream, count_target_tokens, iter_eval_batches, load_tokenizer
+from peft_pretraining.evaluation import evaluate
 from peft_pretraining.exit_codes import ExitCode
 from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config
-from peft_pretraining.training_utils import build_scheduler, evaluate, lr_factor
+from peft_pretraining.optimization import build_scheduler, lr_factor
 from tests.conftest import ONE_THREAD, TINY_RUN, run_trainer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -560,7 +561,7 @@ def test_the_adam_kernel_is_a_flag_and_a_resume_keeps_this_runs_choice():
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     from peft_pretraining.checkpointing import load_optimizer_state
-    from peft_pretraining.training_utils import build_optimizer
+    from peft_pretraining.optimization import build_optimizer
 
     tokens = torch.randint(0, 8192, (2, 16), generator=torch.Generator().manual_seed(0))
     trained = {}

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from peft_pretraining import training_utils  # noqa: E402
+from peft_pretraining import optimization  # noqa: E402
 from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
 from peft_pretraining.head_losses import HEAD_LOSSES, liger_import_error  # noqa: E402
 from peft_pretraining.modeling_llama import NORM_TYPES, LlamaForCausalLM, build_config  # noqa: E402
@@ -93,7 +93,7 @@ def measure(config_path, *, dtype: str, compiled: bool, batch: int, seq_len: int
         return model(input_ids=tokens, labels=tokens, head_loss=loss).loss
 
     runner = torch.compile(loss_of) if compiled else loss_of
-    optimizer = training_utils.build_optimizer(model.parameters(), "adam", 1e-4, 0.0)
+    optimizer = optimization.build_optimizer(model.parameters(), "adam", 1e-4, 0.0)
     tokens = random_tokens(config, batch, seq_len, device)
     on_cuda = device.type == "cuda"
     synchronize = torch.cuda.synchronize if on_cuda else lambda: None
@@ -102,7 +102,7 @@ def measure(config_path, *, dtype: str, compiled: bool, batch: int, seq_len: int
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "mixed"):
             step_loss = runner(tokens)
         step_loss.backward()
-        training_utils.grad_norm_and_clip(model.parameters(), 0.0)  # the trainer logs it every update
+        optimization.grad_norm_and_clip(model.parameters(), 0.0)  # the trainer logs it every update
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return step_loss.detach()

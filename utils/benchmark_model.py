@@ -25,7 +25,7 @@ Five sections; all but profile print the median and the spread (min-max) of ever
   math and flash backends, at --attention_shapes, for each of --dtypes: the evidence for the model's kernel choice.
 
 The in-process sections run with freed host memory kept for reuse, as the trainer runs on CPU
-(`training_utils.keep_freed_host_memory`); the header says whether it took effect.
+(`host_memory.keep_freed_host_memory`); the header says whether it took effect.
 
     python utils/benchmark_model.py                      # model and trainer, study shape and 130M (long on 2 cores)
     python utils/benchmark_model.py --sections trainer --trainer_repeats 3
@@ -64,7 +64,8 @@ from transformers import LlamaForCausalLM as HFLlamaForCausalLM  # noqa: E402
 
 from peft_pretraining import modeling_llama  # noqa: E402
 from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
-from peft_pretraining.training_utils import build_optimizer, keep_freed_host_memory  # noqa: E402
+from peft_pretraining.host_memory import keep_freed_host_memory  # noqa: E402
+from peft_pretraining.optimization import build_optimizer  # noqa: E402
 from utils.study.engine import bf16_instructions, cpu_model_name  # noqa: E402
 
 STUDY_CONFIG = "configs/llama_tiny_deep.json"

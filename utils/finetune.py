@@ -45,19 +45,17 @@ from peft_pretraining.lm_eval_tasks import (  # noqa: E402
     NEXT_SENTENCE_TASK,
     build_local_tasks,
 )
+from peft_pretraining.metrics_file import MetricsFile  # noqa: E402
+from peft_pretraining.optimization import build_scheduler  # noqa: E402
+from peft_pretraining.plots import plot_loss_curve  # noqa: E402
+from peft_pretraining.rng import seed_everything  # noqa: E402
 from peft_pretraining.sft_data import (  # noqa: E402
     IGNORE_INDEX,
     SFTCollator,
     load_instruction_dataset,
     tokenize_dataset,
 )
-from peft_pretraining.training_utils import (  # noqa: E402
-    MetricsFile,
-    build_scheduler,
-    init_wandb,
-    plot_loss_curve,
-    seed_everything,
-)
+from peft_pretraining.wandb_logging import init_wandb  # noqa: E402
 from utils.model_io import bad_input, hub_is_reachable, load_model_and_tokenizer, resolve_context_length, resolve_device  # noqa: E402
 
 # The paper's SFT evaluation (lm-eval task names); "siqa" is lm-eval's social_iqa.

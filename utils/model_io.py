@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from peft_pretraining.dataloader import EMBEDDED_DIR, TOKENIZER_DIR, vocab_size_covering
+from peft_pretraining.model_parts import backbone, decoder_layers, is_our_config
 from peft_pretraining.modeling_llama import NORM_TYPES, LlamaForCausalLM  # also registers our model type
 
 EMBEDDED_HELDOUT_TEXT = EMBEDDED_DIR / "validation.jsonl.gz"  # the held-out novel, one JSON {"text"} per line
@@ -129,17 +130,11 @@ def check_model_path(parser, model_path: str, flag: str = "--model_path") -> Non
         bad_input(parser, f"{flag}: {model_path} is neither a local folder nor a model on the hub ({first_line})")
 
 
-def is_our_checkpoint(model_path: str | os.PathLike) -> bool:
-    """Our checkpoints are recognised by a ``norm_type`` key in their config.json."""
-    config = read_local_config(model_path)
-    return config is not None and "norm_type" in config
-
-
 def load_model(model_path: str, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu"):
     """Load a causal LM from a hub id or a local folder, in eval mode on ``device``.
 
     ``dtype="auto"`` keeps the dtype the checkpoint was saved in."""
-    if is_our_checkpoint(model_path):
+    if is_our_config(read_local_config(model_path) or {}):
         model_class = LlamaForCausalLM
     else:
         from transformers import AutoModelForCausalLM as model_class
@@ -249,15 +244,6 @@ def resolve_context_length(model_or_config, requested: int | None, log=print, fa
 
 
 # ----------------------------------------------------------------------------- residual stream
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The list of decoder blocks (``model.model.layers`` for Llama, Qwen2/3, Mistral and ours)."""
-    backbone = model.get_decoder() if hasattr(model, "get_decoder") else model
-    layers = getattr(backbone, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"{type(model).__name__}: no decoder layer list found at get_decoder().layers")
-    return layers
-
-
 class ResidualStream:
     """Callable returning the residual stream of one batch at every depth.
 
@@ -269,7 +255,7 @@ class ResidualStream:
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.backbone = model.get_decoder() if hasattr(model, "get_decoder") else model
+        self.backbone = backbone(model)
         self.layers = decoder_layers(model)
         # HF backbones would build a KV cache by default; ours has no use_cache argument.
         takes_use_cache = "use_cache" in inspect.signature(self.backbone.forward).parameters

@@ -15,7 +15,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch._inductor.config as inductor_config  # noqa: E402
 
-from peft_pretraining.training_utils import build_optimizer  # noqa: E402
+from peft_pretraining.optimization import build_optimizer  # noqa: E402
 from utils.benchmark_model import autocast_for, build_models, make_step  # noqa: E402
 
 

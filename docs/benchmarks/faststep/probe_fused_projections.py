@@ -18,7 +18,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from peft_pretraining import modeling_llama  # noqa: E402
-from peft_pretraining.training_utils import build_optimizer  # noqa: E402
+from peft_pretraining.optimization import build_optimizer  # noqa: E402
 
 separate_attention = modeling_llama.Attention.forward
 separate_mlp = modeling_llama.MLP.forward
