@@ -3,7 +3,8 @@
 The only thing that differs between Pre-LN, Post-LN, Mix-LN, LayerNorm Scaling (LNS), DeepNorm, LayerScale, SkipInit,
 Peri-LN, output-norm (OLMo 2), DyT, CompleteP, GPAS, BHyT and HybridNorm is how each sublayer (attention, MLP) is
 wrapped with its norm and residual, and which norm that is (HybridNorm also normalises q, k and v inside attention).
-Each wrapping is a small module below; a decoder layer holds two of them and never branches on the variant.
+Each wrapping is a small module below, and PLACEMENTS (one row per placement) says which modules a layer of each
+placement gets; a decoder layer holds two of them and never branches on the variant.
 Parameter names are those of `transformers.LlamaForCausalLM` plus, where a variant needs more (Peri-LN's output
 norms, gates, DyT's alpha and bias, BHyT's lam, HybridNorm's q_norm/k_norm as in Qwen3 and v_norm), names under the
 placement module, the norm or the attention, so weights move freely.
@@ -24,14 +25,17 @@ extra attributes (all optional, defaults in brackets):
     train_max_length  written by the trainer; BHyT's T in c = ||W_V^T W_O^T||_F^2 / (T d) [max_position_embeddings]
 GPAS's gate starts at 0 and HybridNorm's q/k/v norms are RMSNorms over each head (gain 1, eps rms_norm_eps): neither
 has a setting. Sources and every departure from the authors' code: docs/differences.md.
-Optional per-layer attributes (`layer_norm_types`, `layer_depths`, `deepnorm_num_layers`) pin each layer's
-placement, LNS depth and the L of DeepNorm/CompleteP explicitly; `freeze_layer_plan` writes them, so that a layer
-keeps what it was trained with after another layer is removed.
+Optional per-layer attributes (`layer_norm_types`, `layer_depths`, `depth_scaling_num_layers`, formerly
+`deepnorm_num_layers`) pin each layer's placement, LNS depth and the L of DeepNorm and CompleteP explicitly;
+`freeze_layer_plan` writes them, so that a layer keeps what it was trained with after another layer is removed.
+Export to stock `transformers.LlamaForCausalLM`: `peft_pretraining/llama_export.py`, outside the copy of this file
+that every checkpoint carries.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,11 +45,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, Llam
 from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutput
 
-NORM_TYPES = ("pre", "post", "post_pre", "lns", "deepnorm", "layerscale", "skipinit", "peri", "peri_lns", "reordered",
-              "dyt", "completep", "gpas", "lns_gpas", "bhyt", "hybridnorm")
 NORM_TYPE_ALIASES = {"cod": "lns"}  # "cod" is LNS's name in the paper's uploaded code (commit 5d4dd11)
-NORM_TYPE_CHOICES = NORM_TYPES + tuple(NORM_TYPE_ALIASES)
-LAYER_PLACEMENTS = tuple(name for name in NORM_TYPES if name != "post_pre")
 INIT_METHODS = ("normal", "scaled", "depth_scaled")
 LAYERSCALE_FORMS = ("channel", "scalar")
 DEFAULT_LAYERSCALE_FORM = "channel"
@@ -67,10 +67,15 @@ class NormPlacementConfig(LlamaConfig):
     load into stock `transformers.LlamaForCausalLM` without `trust_remote_code` and, its parameter names being the
     same, silently compute Pre-LN; with this type, loading it without `trust_remote_code=True` is an error."""
     model_type = "llama_norm_placement"
+    # The key's old name: configs and checkpoints written before the rename still read and write it.
+    attribute_map = {**LlamaConfig.attribute_map, "deepnorm_num_layers": "depth_scaling_num_layers"}
 
     def __post_init__(self, **kwargs):
         kwargs.pop("model_type", None)  # the class's own, not the "llama" of a JSON or config it was built from
         super().__post_init__(**kwargs)
+
+    def __delattr__(self, key):  # transformers maps the old name on get and set only
+        super().__delattr__(self.attribute_map.get(key, key))
 
 
 def as_norm_placement_config(config) -> NormPlacementConfig:
@@ -111,7 +116,7 @@ def _number(config, key: str, default: float, minimum: float | None = None) -> f
 class LayerPlan:
     placements: list[str]  # one of LAYER_PLACEMENTS per layer
     depths: list[int]  # 1-based depth of each layer, used by LNS and depth-scaled init
-    deepnorm_num_layers: int  # the L of DeepNorm's alpha, beta and CompleteP's L^-alpha (kept after layer removal)
+    depth_scaling_num_layers: int  # the L of DeepNorm's alpha and beta and CompleteP's L^-alpha (kept after removal)
     init_method: str
     final_norm: str  # "dyt" or "rms"
     layerscale_form: str
@@ -163,7 +168,7 @@ def layer_plan(config) -> LayerPlan:
     placements = [_choice(p, LAYER_PLACEMENTS, "layer placement", NORM_TYPE_ALIASES) for p in placements]
 
     depths = list(getattr(config, "layer_depths", None) or range(1, num_layers + 1))
-    deepnorm_num_layers = getattr(config, "deepnorm_num_layers", None) or num_layers
+    depth_scaling_num_layers = getattr(config, "depth_scaling_num_layers", None) or num_layers
     if len(placements) != num_layers or len(depths) != num_layers:
         raise ValueError(
             f"layer_norm_types ({len(placements)}) and layer_depths ({len(depths)}) must both have "
@@ -178,8 +183,8 @@ def layer_plan(config) -> LayerPlan:
     if len(bhyt_lambda_init) != 2 or not all(isinstance(a, (int, float)) and a > 0 for a in bhyt_lambda_init):
         raise ValueError(f"bhyt_lambda_init={bhyt_lambda_init!r} must be two positive numbers (attention, MLP)")
     return LayerPlan(
-        placements, depths, deepnorm_num_layers, init_method,
-        final_norm="dyt" if norm_type == "dyt" else "rms",
+        placements, depths, depth_scaling_num_layers, init_method,
+        final_norm=PLACEMENTS[norm_type].final_norm if norm_type in PLACEMENTS else "rms",
         layerscale_form=layerscale_form,
         layerscale_init=_number(config, "layerscale_init", DEFAULT_LAYERSCALE_INIT[layerscale_form]),
         completep_alpha=_number(config, "completep_alpha", DEFAULT_COMPLETEP_ALPHA, minimum=0.0),
@@ -198,7 +203,7 @@ def freeze_layer_plan(config):
     plan = layer_plan(config)
     config.layer_norm_types = list(plan.placements)
     config.layer_depths = list(plan.depths)
-    config.deepnorm_num_layers = plan.deepnorm_num_layers
+    config.depth_scaling_num_layers = plan.depth_scaling_num_layers
     return config
 
 
@@ -227,6 +232,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+
+    def reset_parameters(self):
+        init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 and cast back before the gain, exactly as HF Llama does, so logits match bit for bit.
@@ -262,6 +270,9 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.compute_tables()
         self.cos.copy_(cos)
         self.sin.copy_(sin)
+
+    def reset_parameters(self):  # the model's init entry point; the tables are this module's only state
+        self.reset_tables()
 
     def forward(self, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if seq_len > self.max_positions:
@@ -405,6 +416,11 @@ class PreNorm(nn.Module):
     def forward(self, x, sublayer, norm):
         return x + sublayer(norm(x))
 
+    def stock_llama_factors(self) -> tuple[float, torch.Tensor | float]:
+        """(factor on the block norm's gain, factor on the branch output's rows) that turn this sublayer into stock
+        Llama's x + F(N(x)); llama_export.py folds them into the weights."""
+        return 1.0, 1.0
+
 
 class ScaledPreNorm(nn.Module):
     """LayerNorm Scaling: x + F(N(x) / sqrt(depth)). The factor is a plain float, so it survives meta-device init."""
@@ -415,6 +431,9 @@ class ScaledPreNorm(nn.Module):
 
     def forward(self, x, sublayer, norm):
         return x + sublayer(norm(x) * self.scale)
+
+    def stock_llama_factors(self):  # the factor follows the norm's gain, so it folds into that gain exactly
+        return self.scale, 1.0
 
 
 class PostNorm(nn.Module):
@@ -444,8 +463,14 @@ class GatedPreNorm(nn.Module):
         self.init_value = init_value
         self.gain = nn.Parameter(torch.full((size,), float(init_value)))
 
+    def reset_parameters(self):
+        init.constant_(self.gain, self.init_value)
+
     def forward(self, x, sublayer, norm):
         return x + self.gain * sublayer(norm(x))
+
+    def stock_llama_factors(self):
+        return 1.0, self.gain.detach()[:, None]
 
 
 class DepthScaledBranch(nn.Module):
@@ -457,6 +482,9 @@ class DepthScaledBranch(nn.Module):
 
     def forward(self, x, sublayer, norm):
         return x + self.multiplier * sublayer(norm(x))
+
+    def stock_llama_factors(self):
+        return 1.0, self.multiplier
 
 
 class PeriNorm(nn.Module):
@@ -488,6 +516,11 @@ class DyT(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.bias = nn.Parameter(torch.zeros(hidden_size))
 
+    def reset_parameters(self):
+        init.constant_(self.alpha, self.alpha_init)
+        init.ones_(self.weight)
+        init.zeros_(self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.weight * torch.tanh(self.alpha * x) + self.bias
 
@@ -508,6 +541,10 @@ class GradientPreservingScale(nn.Module):
         if gate_owner is None:
             self.gate = nn.Parameter(torch.zeros(1))
         self._gate_owner = (self if gate_owner is None else gate_owner,)
+
+    def reset_parameters(self):
+        if self._gate_owner[0] is self:
+            init.zeros_(self.gate)
 
     def forward(self, x, sublayer, norm):
         y = self.inner(x, sublayer, norm)
@@ -541,6 +578,10 @@ class BHyT(nn.Module):
         self.lam = nn.Parameter(torch.full((1,), float(lam_init)))
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.layer_input_variance = None
+
+    def reset_parameters(self):
+        init.constant_(self.lam, self.lam_init)
+        init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         variance = x.float().pow(2).mean(-1, keepdim=True)
@@ -579,100 +620,155 @@ class BHyTApproximated(BHyT):
             return (attention.o_proj.weight.detach().float() @ w_v).pow(2).sum()
 
 
-def make_norm(kind: str, config, alpha_init: float) -> nn.Module:
-    """A block or final norm: RMSNorm, or DyT (then alpha_init is its alpha0)."""
-    if kind == "dyt":
-        return DyT(config.hidden_size, alpha_init)
+def rms_norm(config) -> RMSNorm:
     return RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-def make_block_norms(placement: str, config, plan: LayerPlan, attention: Attention) -> tuple[nn.Module, nn.Module]:
-    """(input_layernorm, post_attention_layernorm) of one layer."""
-    if placement == "dyt":
-        attn_alpha, other_alpha = plan.dyt_alpha_init
-        return DyT(config.hidden_size, attn_alpha), DyT(config.hidden_size, other_alpha)
-    if placement == "bhyt":
-        (attn_lambda, mlp_lambda), kappa = plan.bhyt_lambda_init, plan.bhyt_kappa
-        before_attention = BHyT(config.hidden_size, attn_lambda, kappa)
-        before_mlp = BHyTApproximated(config.hidden_size, mlp_lambda, kappa, before_attention, attention,
-                                      plan.bhyt_seq_len)
-        return before_attention, before_mlp
-    if placement == "hybridnorm":  # no norm before attention: the q, k, v norms inside it take its place
-        return nn.Identity(), RMSNorm(config.hidden_size, config.rms_norm_eps)
-    return RMSNorm(config.hidden_size, config.rms_norm_eps), RMSNorm(config.hidden_size, config.rms_norm_eps)
+# --------------------------------------------------------------------------------------------------------------------
+# The placements: one row each
+# --------------------------------------------------------------------------------------------------------------------
 
 
-def make_residual(placement: str, config, depth: int, plan: LayerPlan, attention_side: nn.Module | None = None):
-    """The placement module of one sublayer: the attention's when attention_side is None, else the MLP's, given the
-    attention's (GPAS shares its gate; HybridNorm treats the two sublayers differently)."""
-    layerscale_size = config.hidden_size if plan.layerscale_form == "channel" else 1
-    builders = {
-        "pre": lambda: PreNorm(),
-        "dyt": lambda: PreNorm(),  # DyT changes the norms, not the placement
-        "lns": lambda: ScaledPreNorm(depth),
-        "post": lambda: PostNorm(),
-        "deepnorm": lambda: DeepNormResidual(plan.deepnorm_num_layers),
-        "layerscale": lambda: GatedPreNorm(layerscale_size, plan.layerscale_init),
-        "skipinit": lambda: GatedPreNorm(1, 0.0),
-        "completep": lambda: DepthScaledBranch(plan.deepnorm_num_layers, plan.completep_alpha),
-        "peri": lambda: PeriNorm(make_norm("rms", config, 0.0)),
-        "peri_lns": lambda: PeriNorm(make_norm("rms", config, 0.0), 1.0 / math.sqrt(depth)),
-        "reordered": lambda: OutputNorm(),
-        "gpas": lambda: GradientPreservingScale(PreNorm(), attention_side),
-        "lns_gpas": lambda: GradientPreservingScale(ScaledPreNorm(depth), attention_side),
-        "bhyt": lambda: PreNorm(),  # BHyT changes the norms, not the placement
-        "hybridnorm": lambda: PreNorm() if attention_side is None else NormedStreamResidual(),
-    }
-    return builders[placement]()
+@dataclass(frozen=True)
+class LayerContext:
+    """What a row of PLACEMENTS reads while one decoder layer is built."""
+    config: LlamaConfig
+    plan: LayerPlan
+    depth: int  # 1-based; LNS's l
+    attention: Attention  # built before the norms and residuals (BHyT's MLP-side norm reads its weights)
+
+
+def rms_block_norms(layer: LayerContext) -> tuple[nn.Module, nn.Module]:
+    """(input_layernorm, post_attention_layernorm) as in stock Llama."""
+    return rms_norm(layer.config), rms_norm(layer.config)
+
+
+def dyt_block_norms(layer: LayerContext):
+    attn_alpha, other_alpha = layer.plan.dyt_alpha_init
+    return DyT(layer.config.hidden_size, attn_alpha), DyT(layer.config.hidden_size, other_alpha)
+
+
+def bhyt_block_norms(layer: LayerContext):
+    (attn_lambda, mlp_lambda), kappa = layer.plan.bhyt_lambda_init, layer.plan.bhyt_kappa
+    before_attention = BHyT(layer.config.hidden_size, attn_lambda, kappa)
+    before_mlp = BHyTApproximated(layer.config.hidden_size, mlp_lambda, kappa, before_attention, layer.attention,
+                                  layer.plan.bhyt_seq_len)
+    return before_attention, before_mlp
+
+
+def hybridnorm_block_norms(layer: LayerContext):
+    return nn.Identity(), rms_norm(layer.config)  # no norm before attention: its q, k and v norms take that place
+
+
+def each_sublayer(make: Callable[[LayerContext], nn.Module]):
+    """(attn_residual, mlp_residual): the same placement module, one instance per sublayer."""
+    return lambda layer: (make(layer), make(layer))
+
+
+def gpas_around(inner: Callable[[LayerContext], nn.Module]):
+    """GPAS around `inner` on both sublayers, with one gate per layer: the attention side owns it."""
+    def residuals(layer: LayerContext):
+        attention_side = GradientPreservingScale(inner(layer))
+        return attention_side, GradientPreservingScale(inner(layer), attention_side)
+    return residuals
+
+
+def layerscale_gate(layer: LayerContext) -> GatedPreNorm:
+    size = layer.config.hidden_size if layer.plan.layerscale_form == "channel" else 1
+    return GatedPreNorm(size, layer.plan.layerscale_init)
+
+
+def deepnorm_branch_init(decoder_layer: DecoderLayer, plan: LayerPlan):
+    """Tags the value, output and MLP projections (and under the reference init q and k) for `_init_weights`."""
+    attention, mlp = decoder_layer.self_attn, decoder_layer.mlp
+    value_output_mlp = (attention.v_proj, attention.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    if plan.deepnorm_init == "deepnet":  # DeepNet: value, output and FFN projections get beta = (8L)^(-1/4)
+        _scale_init_std(value_output_mlp, (8 * plan.depth_scaling_num_layers) ** -0.25)
+    else:  # the reference code: Xavier-normal, gain (8L)^(+1/4) on v, o and the MLP, gain 1 on q and k
+        for linear in value_output_mlp:
+            linear.init_xavier_gain = (8 * plan.depth_scaling_num_layers) ** 0.25
+        for linear in (attention.q_proj, attention.k_proj):
+            linear.init_xavier_gain = 1.0
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One row of PLACEMENTS: the modules a decoder layer of this placement is built from."""
+    residuals: Callable[[LayerContext], tuple[nn.Module, nn.Module]]  # (attn_residual, mlp_residual)
+    block_norms: Callable[[LayerContext], tuple[nn.Module, nn.Module]] = rms_block_norms
+    qkv_norm: bool = False  # an RMSNorm on each head's q, k and v inside attention
+    final_norm: str = "rms"  # the model's last norm ("rms" or "dyt") when norm_type names this row
+    branch_init: Callable[[DecoderLayer, LayerPlan], None] | None = None  # tags linears whose init is not the usual
+    exports_to_stock_llama: bool = False  # llama_export.py folds its residuals' stock_llama_factors into the weights
+
+
+#   x ──► attn_residual(x, Attn, input_layernorm) ──► h ──► mlp_residual(h, MLP, post_attention_layernorm) ──► out
+#
+#   pre         h = x + Attn(N1(x))                     out = h + MLP(N2(h))
+#   post        h = N1(x + Attn(x))                     out = N2(h + MLP(h))
+#   lns         h = x + Attn(N1(x) / sqrt(l))           out = h + MLP(N2(h) / sqrt(l))
+#   deepnorm    h = N1(alpha * x + Attn(x))             out = N2(alpha * h + MLP(h))
+#   layerscale  h = x + g1 * Attn(N1(x))                out = h + g2 * MLP(N2(h))      g per channel or scalar
+#   skipinit    h = x + g1 * Attn(N1(x))                out = h + g2 * MLP(N2(h))      scalar g, starts at 0
+#   peri        h = x + O1(Attn(N1(x)))                 out = h + O2(MLP(N2(h)))  O: residual.output_norm
+#   peri_lns    h = x + O1(Attn(N1(x) / sqrt(l)))       out = h + O2(MLP(N2(h) / sqrt(l)))
+#   reordered   h = x + N1(Attn(x))                     out = h + N2(MLP(h))
+#   dyt         as pre, with every norm (the final one too) DyT(x) = w * tanh(alpha * x) + b
+#   completep   h = x + L^-a * Attn(N1(x))              out = h + L^-a * MLP(N2(h))
+#   gpas        h = G(x + Attn(N1(x)))                  out = G(h + MLP(N2(h)))   G(y) = y - silu(g) * sg(y), one g
+#   lns_gpas    h = G(x + Attn(N1(x) / sqrt(l)))        out = G(h + MLP(N2(h) / sqrt(l)))
+#   bhyt        as pre, N(y) = w * tanh(lam * y / (kappa * s)); s = rms(x) in N1, in N2 rms(x) with Attn's share
+#   hybridnorm  h = x + Attn_qkvnorm(x)                 out = N2(h) + MLP(N2(h))
+PLACEMENTS = {
+    "pre": Placement(each_sublayer(lambda layer: PreNorm()), exports_to_stock_llama=True),
+    "post": Placement(each_sublayer(lambda layer: PostNorm())),
+    "lns": Placement(each_sublayer(lambda layer: ScaledPreNorm(layer.depth)), exports_to_stock_llama=True),
+    "deepnorm": Placement(each_sublayer(lambda layer: DeepNormResidual(layer.plan.depth_scaling_num_layers)),
+                          branch_init=deepnorm_branch_init),
+    "layerscale": Placement(each_sublayer(layerscale_gate), exports_to_stock_llama=True),
+    "skipinit": Placement(each_sublayer(lambda layer: GatedPreNorm(1, 0.0)), exports_to_stock_llama=True),
+    "peri": Placement(each_sublayer(lambda layer: PeriNorm(rms_norm(layer.config)))),
+    "peri_lns": Placement(each_sublayer(lambda layer: PeriNorm(rms_norm(layer.config), 1.0 / math.sqrt(layer.depth)))),
+    "reordered": Placement(each_sublayer(lambda layer: OutputNorm())),
+    "dyt": Placement(each_sublayer(lambda layer: PreNorm()), block_norms=dyt_block_norms, final_norm="dyt"),
+    "completep": Placement(each_sublayer(lambda layer: DepthScaledBranch(layer.plan.depth_scaling_num_layers,
+                                                                         layer.plan.completep_alpha)),
+                           exports_to_stock_llama=True),
+    "gpas": Placement(gpas_around(lambda layer: PreNorm())),
+    "lns_gpas": Placement(gpas_around(lambda layer: ScaledPreNorm(layer.depth))),
+    "bhyt": Placement(each_sublayer(lambda layer: PreNorm()), block_norms=bhyt_block_norms),
+    "hybridnorm": Placement(lambda layer: (PreNorm(), NormedStreamResidual()), block_norms=hybridnorm_block_norms,
+                            qkv_norm=True),
+}
+LAYER_PLACEMENTS = tuple(PLACEMENTS)
+# post_pre (Mix-LN) is no row: it gives each layer post's or pre's (post_num). Listed after post, as it always was.
+NORM_TYPES = (*LAYER_PLACEMENTS[:2], "post_pre", *LAYER_PLACEMENTS[2:])
+NORM_TYPE_CHOICES = NORM_TYPES + tuple(NORM_TYPE_ALIASES)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, plan: LayerPlan):
         super().__init__()
-        placement, depth = plan.placements[layer_idx], plan.depths[layer_idx]
-        self.placement = placement
-        self.self_attn = Attention(config, layer_idx, qkv_norm=placement == "hybridnorm")
+        self.placement, depth = plan.placements[layer_idx], plan.depths[layer_idx]
+        row = PLACEMENTS[self.placement]
+        # Registered in this order: the order of `_init_weights`'s random draws and of the state dict.
+        self.self_attn = Attention(config, layer_idx, qkv_norm=row.qkv_norm)
         self.mlp = MLP(config)
-        self.input_layernorm, self.post_attention_layernorm = make_block_norms(placement, config, plan, self.self_attn)
-        self.attn_residual = make_residual(placement, config, depth, plan)
-        self.mlp_residual = make_residual(placement, config, depth, plan, attention_side=self.attn_residual)
+        layer = LayerContext(config, plan, depth, self.self_attn)
+        self.input_layernorm, self.post_attention_layernorm = row.block_norms(layer)
+        self.attn_residual, self.mlp_residual = row.residuals(layer)
         self._tag_init_std_factors(config, plan, depth)
+        if row.branch_init is not None:  # after the init method's tags: the factors multiply in this order
+            row.branch_init(self, plan)
 
     def _tag_init_std_factors(self, config, plan: LayerPlan, depth: int):
-        """Mark the linears whose init differs from N(0, initializer_range); `_init_weights` reads the tags."""
+        """Mark the residual-branch outputs whose init the init method scales; `_init_weights` reads the tags."""
         outputs = (self.self_attn.o_proj, self.mlp.down_proj)
         if plan.init_method == "scaled":  # GPT-2 / OLMo: residual-branch outputs get std / sqrt(2L)
             _scale_init_std(outputs, 1 / math.sqrt(2 * config.num_hidden_layers))
         if plan.init_method == "depth_scaled":  # torchtitan's depth_init: std / sqrt(2l), l the 1-based depth
             _scale_init_std(outputs, 1 / math.sqrt(2 * depth))
-        if self.placement == "deepnorm":
-            value_output_mlp = (self.self_attn.v_proj, self.self_attn.o_proj, self.mlp.gate_proj, self.mlp.up_proj,
-                                self.mlp.down_proj)
-            if plan.deepnorm_init == "deepnet":  # DeepNet: value, output and FFN projections get beta = (8L)^(-1/4)
-                _scale_init_std(value_output_mlp, (8 * plan.deepnorm_num_layers) ** -0.25)
-            else:  # the reference code: Xavier-normal, gain (8L)^(+1/4) on v, o and the MLP, gain 1 on q and k
-                for linear in value_output_mlp:
-                    linear.init_xavier_gain = (8 * plan.deepnorm_num_layers) ** 0.25
-                for linear in (self.self_attn.q_proj, self.self_attn.k_proj):
-                    linear.init_xavier_gain = 1.0
 
-    #   x ──► attn_residual(x, Attn, input_layernorm) ──► h ──► mlp_residual(h, MLP, post_attention_layernorm) ──► out
-    #
-    #   pre         h = x + Attn(N1(x))                     out = h + MLP(N2(h))
-    #   lns         h = x + Attn(N1(x) / sqrt(l))           out = h + MLP(N2(h) / sqrt(l))
-    #   post        h = N1(x + Attn(x))                     out = N2(h + MLP(h))
-    #   deepnorm    h = N1(alpha * x + Attn(x))             out = N2(alpha * h + MLP(h))
-    #   layerscale  h = x + g1 * Attn(N1(x))                out = h + g2 * MLP(N2(h))      g per channel or scalar
-    #   skipinit    h = x + g1 * Attn(N1(x))                out = h + g2 * MLP(N2(h))      scalar g, starts at 0
-    #   completep   h = x + L^-a * Attn(N1(x))              out = h + L^-a * MLP(N2(h))
-    #   peri        h = x + O1(Attn(N1(x)))                 out = h + O2(MLP(N2(h)))  O: residual.output_norm
-    #   peri_lns    h = x + O1(Attn(N1(x) / sqrt(l)))       out = h + O2(MLP(N2(h) / sqrt(l)))
-    #   reordered   h = x + N1(Attn(x))                     out = h + N2(MLP(h))
-    #   dyt         as pre, with every norm (the final one too) DyT(x) = w * tanh(alpha * x) + b
-    #   gpas        h = G(x + Attn(N1(x)))                  out = G(h + MLP(N2(h)))   G(y) = y - silu(g) * sg(y), one g
-    #   lns_gpas    h = G(x + Attn(N1(x) / sqrt(l)))        out = G(h + MLP(N2(h) / sqrt(l)))
-    #   bhyt        as pre, N(y) = w * tanh(lam * y / (kappa * s)); s = rms(x) in N1, in N2 rms(x) with Attn's share
-    #   hybridnorm  h = x + Attn_qkvnorm(x)                 out = N2(h) + MLP(N2(h))
     def forward(self, x: torch.Tensor, rope, mask: torch.Tensor | None) -> torch.Tensor:
         h = self.attn_residual(x, lambda y: self.self_attn(y, rope, mask), self.input_layernorm)
         return self.mlp_residual(h, self.mlp, self.post_attention_layernorm)
@@ -697,34 +793,21 @@ class LlamaPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module):
-        # transformers.initialization skips parameters already loaded by from_pretrained.
-        std = self.config.initializer_range
+        # transformers.initialization, here and in every reset_parameters, skips what from_pretrained loaded.
+        # Linear and Embedding are torch's, with torch's reset_parameters: their init is written here.
         if isinstance(module, nn.Linear):
             factor = getattr(module, "init_std_factor", 1.0)
             if hasattr(module, "init_xavier_gain"):
                 init.xavier_normal_(module.weight, gain=module.init_xavier_gain * factor)
             else:
-                init.normal_(module.weight, mean=0.0, std=std * factor)
+                init.normal_(module.weight, mean=0.0, std=self.config.initializer_range * factor)
         elif isinstance(module, nn.Embedding):
             init.normal_(module.weight, mean=0.0, std=layer_plan(self.config).embed_init_std)
             # As in HF: the pad row starts at zero. Slicing drops the "already loaded" flag, so check it here.
             if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
                 init.zeros_(module.weight[module.padding_idx])
-        elif isinstance(module, RMSNorm):
-            init.ones_(module.weight)
-        elif isinstance(module, DyT):
-            init.constant_(module.alpha, module.alpha_init)
-            init.ones_(module.weight)
-            init.zeros_(module.bias)
-        elif isinstance(module, GatedPreNorm):
-            init.constant_(module.gain, module.init_value)
-        elif isinstance(module, BHyT):
-            init.constant_(module.lam, module.lam_init)
-            init.ones_(module.weight)
-        elif isinstance(module, GradientPreservingScale) and "gate" in module._parameters:
-            init.zeros_(module.gate)
-        elif isinstance(module, RotaryEmbedding):
-            module.reset_tables()
+        elif hasattr(module, "reset_parameters"):  # ours: every module with parameters or tables owns its init
+            module.reset_parameters()
 
 
 def frozen_pad_id(config) -> int | None:
@@ -741,7 +824,7 @@ class LlamaModel(LlamaPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, frozen_pad_id(config))
         self.layers = nn.ModuleList(DecoderLayer(config, i, plan) for i in range(config.num_hidden_layers))
         # Applied after every variant, Post-LN included (as in the reference): it keeps one parameter layout for all.
-        self.norm = make_norm(plan.final_norm, config, plan.dyt_alpha_init[1])
+        self.norm = DyT(config.hidden_size, plan.dyt_alpha_init[1]) if plan.final_norm == "dyt" else rms_norm(config)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(head_dim, _rope_theta(config), config.max_position_embeddings)
         self.gradient_checkpointing = False
@@ -796,8 +879,11 @@ class LlamaForCausalLM(LlamaPreTrainedModel, GenerationMixin):
                 raise ValueError(f"{name} is not supported: pass input_ids; positions are 0 .. T-1 in every row")
         hidden, hidden_states = self.model(input_ids, attention_mask, bool(output_hidden_states))
         if labels is not None and head_loss != "standard":  # the trainer's --loss: the same loss, no full logits
-            from peft_pretraining.head_losses import head_loss as loss_without_logits  # not in a checkpoint's copy
-
+            # In a try: transformers then does not require peft_pretraining to load a checkpoint's copy of this file.
+            try:
+                from peft_pretraining.head_losses import head_loss as loss_without_logits
+            except ImportError as error:
+                raise ValueError(f"head_loss={head_loss!r} needs this repository's peft_pretraining") from error
             return CausalLMOutput(loss=loss_without_logits(hidden, self.lm_head.weight, labels, head_loss),
                                   hidden_states=hidden_states)
         logits = self.lm_head(hidden)
@@ -843,63 +929,3 @@ if __package__ == "peft_pretraining":
     AutoConfig.register(NormPlacementConfig.model_type, NormPlacementConfig, exist_ok=True)
     AutoModelForCausalLM.register(NormPlacementConfig, LlamaForCausalLM, exist_ok=True)
 
-
-# --------------------------------------------------------------------------------------------------------------------
-# Export to stock transformers
-# --------------------------------------------------------------------------------------------------------------------
-
-EXPORTABLE_PLACEMENTS = ("pre", "lns", "layerscale", "skipinit", "completep")
-_OUR_CONFIG_KEYS = ("norm_type", "post_num", "init_method", "layer_norm_types", "layer_depths", "deepnorm_num_layers",
-                    "auto_map", "layerscale_form", "layerscale_init", "completep_alpha", "deepnorm_init",
-                    "embed_init_std", "dyt_alpha_init", "bhyt_lambda_init", "bhyt_kappa")
-
-
-def _stock_llama_factors(residual: nn.Module) -> tuple[float, torch.Tensor | float]:
-    """(factor on the block norm's gain, factor on the branch output) turning a Pre-LN-shaped placement into stock
-    Llama: x + b * F(s * N(x)) = x + F'(N'(x)) with N' = s * N and the rows of F's output projection times b."""
-    if isinstance(residual, ScaledPreNorm):
-        return residual.scale, 1.0
-    if isinstance(residual, GatedPreNorm):
-        return 1.0, residual.gain.detach()[:, None]
-    if isinstance(residual, DepthScaledBranch):
-        return 1.0, residual.multiplier
-    return 1.0, 1.0
-
-
-def export_to_hf_llama(model: LlamaForCausalLM):
-    """A stock `transformers.LlamaForCausalLM` computing the same function as `model` (placements in
-    EXPORTABLE_PLACEMENTS).
-
-    LNS's 1/sqrt(l) multiplies the norm output after its gain, so it folds exactly into the two gains of layer l;
-    LayerScale/SkipInit gates and CompleteP's L^-alpha multiply the branch output, so they fold into the rows of
-    o_proj and down_proj. The other placements (post, deepnorm, peri, peri_lns, reordered, dyt, gpas, lns_gpas, bhyt,
-    hybridnorm) have no stock-Llama form: they load with trust_remote_code=True.
-    """
-    from transformers import LlamaForCausalLM as HFLlamaForCausalLM
-
-    placements = [layer.placement for layer in model.model.layers]
-    unsupported = sorted(set(placements) - set(EXPORTABLE_PLACEMENTS))
-    if unsupported:
-        raise ValueError(
-            f"norm placement {', '.join(unsupported)} has no stock-HF equivalent (exportable: "
-            f"{', '.join(EXPORTABLE_PLACEMENTS)}); load it with AutoModelForCausalLM(..., trust_remote_code=True)"
-        )
-    values = model.config.to_dict()
-    values.pop("model_type")  # ours; the stock class has "llama"
-    config = LlamaConfig.from_dict(values)
-    for key in _OUR_CONFIG_KEYS:
-        if hasattr(config, key):
-            delattr(config, key)
-    config.architectures = ["LlamaForCausalLM"]
-    state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-    for i, layer in enumerate(model.model.layers):
-        for norm_name, output_name, residual in (
-                ("input_layernorm", "self_attn.o_proj", layer.attn_residual),
-                ("post_attention_layernorm", "mlp.down_proj", layer.mlp_residual)):
-            norm_factor, branch_factor = _stock_llama_factors(residual)
-            state[f"model.layers.{i}.{norm_name}.weight"] *= norm_factor
-            state[f"model.layers.{i}.{output_name}.weight"] *= branch_factor
-    state = {name: tensor for name, tensor in state.items() if "_residual." not in name}  # the gates, now folded
-    hf_model = HFLlamaForCausalLM(config).to(next(model.parameters()).dtype)
-    hf_model.load_state_dict(state, strict=True)
-    return hf_model.eval()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import layer_remove
-from peft_pretraining.modeling_llama import export_to_hf_llama
+from peft_pretraining.llama_export import export_to_hf_llama
 from tests.analysis_helpers import heldout_documents, save_with_tokenizer, tiny_hf_llama, tiny_ours, write_jsonl
 from tests.conftest import TINY_RUN, run_trainer
 from utils import angular_analysis, finetune, model_io, variance_analysis

@@ -9,14 +9,13 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
+from peft_pretraining.llama_export import EXPORTABLE_PLACEMENTS, export_to_hf_llama
 from peft_pretraining.modeling_llama import (
     DEFAULT_LAYERSCALE_INIT,
-    EXPORTABLE_PLACEMENTS,
     INIT_METHODS,
     NORM_TYPES,
     LlamaForCausalLM,
     build_config,
-    export_to_hf_llama,
     freeze_layer_plan,
 )
 
@@ -236,6 +235,23 @@ def test_save_and_load_round_trip(norm_type, tmp_path):
     torch.testing.assert_close(plain(tokens).logits, expected, rtol=0, atol=0)
 
 
+def test_a_checkpoint_loads_where_this_repository_is_not_importable(tmp_path):
+    """With trust_remote_code=True the checkpoint's copy of the model file is all a loader needs (lm-eval elsewhere):
+    transformers refuses a copy that imports a package it cannot find."""
+    model = tiny_model("lns")
+    model.save_pretrained(tmp_path / "checkpoint")
+    tokens = random_tokens()
+    torch.save({"tokens": tokens, "logits": model(tokens).logits}, tmp_path / "expected.pt")
+    script = ("import sys, torch\n"
+              "sys.modules['peft_pretraining'] = None  # not importable, even where it is installed\n"
+              "from transformers import AutoModelForCausalLM\n"
+              "model = AutoModelForCausalLM.from_pretrained('checkpoint', trust_remote_code=True).eval()\n"
+              "expected = torch.load('expected.pt')\n"
+              "print(torch.equal(model(expected['tokens']).logits, expected['logits']))\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip() == "True", result.stderr[-2000:]
+
+
 def test_a_model_built_from_a_stock_config_saves_its_own_model_type(tmp_path):
     """However the config was made, a saved checkpoint of ours names its own type, never plain "llama"."""
     model = LlamaForCausalLM(LlamaConfig.from_json_file(str(TINY)))
@@ -280,6 +296,15 @@ def test_export_to_stock_hf(norm_type, tmp_path):
     assert type(loaded) is HFLlamaForCausalLM
     tokens = random_tokens()
     torch.testing.assert_close(loaded(tokens).logits, model(tokens).logits, rtol=0, atol=1e-5)
+
+
+def test_a_config_with_the_old_name_of_depth_scaling_num_layers_keeps_its_l(tmp_path):
+    """`deepnorm_num_layers` was the name of CompleteP's and DeepNorm's L: configs and checkpoints with it load."""
+    values = {**json.loads(TINY.read_text()), "deepnorm_num_layers": 8}
+    (tmp_path / "config.json").write_text(json.dumps(values))
+    config = build_config(tmp_path / "config.json", norm_type="completep")
+    assert config.depth_scaling_num_layers == 8 and "deepnorm_num_layers" not in config.to_dict()
+    assert LlamaForCausalLM(config).model.layers[0].attn_residual.multiplier == 8**-1.0
 
 
 def test_frozen_plan_keeps_layer_factors_after_removal():

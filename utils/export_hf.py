@@ -21,7 +21,8 @@ from peft_pretraining.layernorm_scaling import (  # noqa: E402
     fold_layernorm_scaling,
     reapply_layernorm_scaling_from_config,
 )
-from peft_pretraining.modeling_llama import LlamaForCausalLM, export_to_hf_llama  # noqa: E402
+from peft_pretraining.llama_export import export_to_hf_llama  # noqa: E402
+from peft_pretraining.modeling_llama import LlamaForCausalLM  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
