@@ -177,10 +177,10 @@ def test_compiled_profile_names_inductors_kernels(tmp_path):
 def test_machine_header_reads_cpuinfo_of_any_architecture(tmp_path, monkeypatch, cpuinfo, model_name, bf16_hardware):
     from pathlib import Path
 
-    from utils.study import engine
+    from utils.study import host
 
     fake = tmp_path / "cpuinfo"
     fake.write_text(cpuinfo)
-    monkeypatch.setattr(engine, "Path", lambda path: fake if str(path) == "/proc/cpuinfo" else Path(path))
-    assert engine.cpuinfo_field("model name") == model_name
+    monkeypatch.setattr(host, "Path", lambda path: fake if str(path) == "/proc/cpuinfo" else Path(path))
+    assert host.cpuinfo_field("model name") == model_name
     assert f"bf16 hardware: {bf16_hardware}," in benchmark_model.machine()

@@ -11,22 +11,27 @@ import pytest
 import tqdm.auto
 
 from utils import compare_norms, depth_sweep
-from utils.study import engine, verdicts
+from utils.study import analyse, claims, host, measures, report, runs, sweep, verdicts
+
+
+def study_pair_verdicts(records, pre: str, lns: str):
+    """The study's verdicts of arm `lns` against arm `pre`, labelled as its report labels them."""
+    return claims.pair_verdicts(records, pre, lns, compare_norms.arm_labels(pre, lns))
 
 
 def test_evenly_spaced_steps_end_at_the_last_step_and_share_a_save_interval():
-    steps = engine.evenly_spaced_steps(1200, 5)
+    steps = runs.evenly_spaced_steps(1200, 5)
     assert steps == (240, 480, 720, 960, 1200)
-    assert engine.save_every_for(steps) == 240
-    assert engine.evenly_spaced_steps(300, 5) == (60, 120, 180, 240, 300)  # the CPU study's budget
+    assert runs.save_every_for(steps) == 240
+    assert runs.evenly_spaced_steps(300, 5) == (60, 120, 180, 240, 300)  # the CPU study's budget
     # 400 / 3 is not whole: the interval must divide 400, or the gcd (the save interval) would be 1 step
-    assert engine.evenly_spaced_steps(400, 3) == (200, 300, 400)
-    assert engine.save_every_for(engine.evenly_spaced_steps(400, 3)) == 100
+    assert runs.evenly_spaced_steps(400, 3) == (200, 300, 400)
+    assert runs.save_every_for(runs.evenly_spaced_steps(400, 3)) == 100
     with pytest.raises(ValueError, match="no divisor"):
-        engine.evenly_spaced_steps(401, 3)
-    assert engine.evenly_spaced_steps(7, 2)[-1] == 7
-    assert all(s % engine.save_every_for(engine.evenly_spaced_steps(7, 2)) == 0
-               for s in engine.evenly_spaced_steps(7, 2))
+        runs.evenly_spaced_steps(401, 3)
+    assert runs.evenly_spaced_steps(7, 2)[-1] == 7
+    assert all(s % runs.save_every_for(runs.evenly_spaced_steps(7, 2)) == 0
+               for s in runs.evenly_spaced_steps(7, 2))
 
 
 def crafted_analysis(num_layers=8, removal=None):
@@ -40,7 +45,7 @@ def crafted_analysis(num_layers=8, removal=None):
 
 
 def test_summarise_analysis_reads_the_deep_half():
-    summary = engine.summarise_analysis(crafted_analysis())
+    summary = measures.summarise_analysis(crafted_analysis())
     assert summary["variance_growth"] == pytest.approx(9 / 2)
     # Entry l is d(l, l+1), the change made by layer l (0-based): the deep half is layers 4..7, the last included,
     # the same layers as the Jacobian and removal measures.
@@ -52,11 +57,11 @@ def test_summarise_analysis_reads_the_deep_half():
 
 def test_slope_by_seed_recovers_a_known_slope_and_skips_missing_depths():
     table = {d: {1: 2.0 * math.log(d) + 1.0, 2: -1.0 * math.log(d), 3: None if d == 8 else 0.5} for d in (2, 4, 8)}
-    slopes = depth_sweep.slope_by_seed(table, log_values=False)
+    slopes = sweep.slope_by_seed(table, log_values=False)
     assert slopes[1] == pytest.approx(2.0)
     assert slopes[2] == pytest.approx(-1.0)
     assert slopes[3] == pytest.approx(0.0)  # fitted on the two depths it has
-    logged = depth_sweep.slope_by_seed({d: {1: d ** 1.5} for d in (2, 4, 8)}, log_values=True)
+    logged = sweep.slope_by_seed({d: {1: d ** 1.5} for d in (2, 4, 8)}, log_values=True)
     assert logged[1] == pytest.approx(1.5)
 
 
@@ -64,33 +69,33 @@ def test_by_seed_gives_none_for_a_diverged_run():
     finished = dict(arm="pre", seed=1, status="finished", final_eval_loss=5.0, eval_curve=[[10, 5.0]],
                     analyses={"10": crafted_analysis()})
     diverged = dict(arm="pre", seed=2, status="diverged", final_eval_loss=None, eval_curve=[], analyses={})
-    values = engine.by_seed({"a": finished, "b": diverged}, "pre", "eval_loss")
+    values = measures.by_seed({"a": finished, "b": diverged}, "pre", "eval_loss")
     assert values == {1: 5.0, 2: None}
 
 
 def test_record_matches_only_identical_flags_and_settings():
-    settings = engine.AnalysisSettings(max_seq_len=64, stream_tokens=10, jacobian_tokens=2, jacobian_probes=0,
+    settings = runs.AnalysisSettings(max_seq_len=64, stream_tokens=10, jacobian_tokens=2, jacobian_probes=0,
                                           removal_documents=2)
-    spec = engine.RunSpec("pre", 1, ("--lr", "1e-3"), (2, 4))
-    record = dict(version=engine.RECORD_VERSION, flags=spec.flags(), analysis_settings=dataclasses.asdict(settings),
+    spec = runs.RunSpec("pre", 1, ("--lr", "1e-3"), (2, 4))
+    record = dict(version=runs.RECORD_VERSION, flags=spec.flags(), analysis_settings=dataclasses.asdict(settings),
                   last_step=4, analyses={"2": {}, "4": {}})
-    assert engine.record_matches(record, spec, settings)
-    assert not engine.record_matches(record, engine.RunSpec("pre", 1, ("--lr", "2e-3"), (2, 4)), settings)
-    assert not engine.record_matches(record, spec, engine.AnalysisSettings(64, 20, 2, 0, 2))
-    assert not engine.record_matches(dict(record, analyses={"4": {}}), spec, settings)
+    assert runs.record_matches(record, spec, settings)
+    assert not runs.record_matches(record, runs.RunSpec("pre", 1, ("--lr", "2e-3"), (2, 4)), settings)
+    assert not runs.record_matches(record, spec, runs.AnalysisSettings(64, 20, 2, 0, 2))
+    assert not runs.record_matches(dict(record, analyses={"4": {}}), spec, settings)
 
 
 def test_a_run_that_diverged_at_an_analysed_step_keeps_its_record():
     """A diverged run saves no checkpoint at the step it diverged at (torchrun_main.py), so its record has no analysis
     there; the record is still its run's, reused and reported rather than counted as missing."""
-    settings = engine.AnalysisSettings(64, 10, 2, 0, 2)
-    spec = engine.RunSpec("pre", 1, ("--lr", "1e-3"), (2, 4, 6))
-    record = dict(version=engine.RECORD_VERSION, flags=spec.flags(), analysis_settings=dataclasses.asdict(settings),
+    settings = runs.AnalysisSettings(64, 10, 2, 0, 2)
+    spec = runs.RunSpec("pre", 1, ("--lr", "1e-3"), (2, 4, 6))
+    record = dict(version=runs.RECORD_VERSION, flags=spec.flags(), analysis_settings=dataclasses.asdict(settings),
                   status="diverged", last_step=4, analyses={"2": {}})
-    assert engine.record_matches(record, spec, settings)
-    assert not engine.record_matches(dict(record, analyses={"2": {}, "4": {}}), spec, settings)
-    assert engine.record_matches(dict(record, last_step=5, analyses={"2": {}, "4": {}}), spec, settings)
-    assert not engine.record_matches(dict(record, status="finished"), spec, settings)
+    assert runs.record_matches(record, spec, settings)
+    assert not runs.record_matches(dict(record, analyses={"2": {}, "4": {}}), spec, settings)
+    assert runs.record_matches(dict(record, last_step=5, analyses={"2": {}, "4": {}}), spec, settings)
+    assert not runs.record_matches(dict(record, status="finished"), spec, settings)
 
 
 @pytest.mark.slow
@@ -99,18 +104,19 @@ def test_a_diverged_run_is_not_redone_by_the_next_invocation(tmp_path):
     finds it."""
     args = depth_sweep.parse_args(["--quick", "--dtype", "float32", "--no-compile", "--out", str(tmp_path / "report"),
                                    "--runs_dir", str(tmp_path / "runs")])
-    flags = (*depth_sweep.train_flags(args, 2, 2, 1, 1), "--norm_type", "pre", "--divergence_loss", "0.5")
-    spec, settings = engine.RunSpec("pre", 1, flags, (1, 2)), engine.analysis_settings(args.settings)
+    config = depth_sweep.depth_config(args, 2)
+    flags = (*sweep.train_flags(args, config, 2, 1, 1), "--norm_type", "pre", "--divergence_loss", "0.5")
+    spec, settings = runs.RunSpec("pre", 1, flags, (1, 2)), runs.analysis_settings(args.settings)
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
-    first = engine.run_job(spec, settings, args.runs_dir, tmp_path / "records", env)
+    first = runs.run_job(spec, settings, args.runs_dir, tmp_path / "records", env)
     assert first["status"] == "diverged" and first["last_step"] == 1 and first["analyses"] == {}
-    assert engine.run_job(spec, settings, args.runs_dir, tmp_path / "records", env)["reused"] == "record"
-    assert list(engine.load_records([spec], settings, tmp_path / "records")) == ["pre-seed1"]
+    assert runs.run_job(spec, settings, args.runs_dir, tmp_path / "records", env)["reused"] == "record"
+    assert list(runs.load_records([spec], settings, tmp_path / "records")) == ["pre-seed1"]
 
 
 def test_a_report_whose_pure_bf16_runs_diverged_before_their_checkpoint_is_written(tmp_path):
     """Pure-bf16 runs that diverged before the end have no analysed checkpoint, so no norm gains to report."""
-    shutil.copytree(engine.REPO / "docs/study_mixed_compile/runs", tmp_path / "runs")
+    shutil.copytree(runs.REPO / "docs/study_mixed_compile/runs", tmp_path / "runs")
     for arm in ("pre_bf16", "lns_bf16"):
         path = tmp_path / "runs" / f"{arm}-seed1.json"
         record = json.loads(path.read_text())
@@ -133,7 +139,7 @@ def test_run_jobs_counts_reused_records_at_once_and_returns_spec_order(tmp_path,
         if spec.arm == "slow":
             assert release.wait(10), "the bar did not count the reused record while a run was still training"
         elif spec.arm == "late":
-            raise engine.PastDeadline()
+            raise runs.PastDeadline()
         finished.append(spec.name)
         return {"name": spec.name}
 
@@ -157,12 +163,12 @@ def test_run_jobs_counts_reused_records_at_once_and_returns_spec_order(tmp_path,
             if "reused-seed1" in finished:
                 release.set()  # the slow run ends only after the bar has counted the reused record
 
-    monkeypatch.setattr(engine, "run_job", fake_run_job)
-    monkeypatch.setattr(engine, "jobs_the_disk_holds", lambda specs, jobs, runs_dir: jobs)  # the specs are fakes
+    monkeypatch.setattr(runs, "run_job", fake_run_job)
+    monkeypatch.setattr(runs, "jobs_the_disk_holds", lambda specs, jobs, runs_dir: jobs)  # the specs are fakes
     monkeypatch.setattr(tqdm.auto, "tqdm", RecordingBar)
-    specs = [engine.RunSpec(arm, 1, (), (1,)) for arm in ("slow", "late", "reused")]
-    settings = engine.AnalysisSettings(8, 8, 1, 0, 1)
-    records, skipped = engine.run_jobs(specs, settings, tmp_path, tmp_path, jobs=3)
+    specs = [runs.RunSpec(arm, 1, (), (1,)) for arm in ("slow", "late", "reused")]
+    settings = runs.AnalysisSettings(8, 8, 1, 0, 1)
+    records, skipped = runs.run_jobs(specs, settings, tmp_path, tmp_path, jobs=3)
     assert finished == ["reused-seed1", "slow-seed1"]
     assert ["reused-seed1"] in bar_counts and len(bar_counts) == 3
     assert list(records) == ["slow-seed1", "reused-seed1"]
@@ -215,7 +221,7 @@ def test_long_rivals_reuses_the_long_studys_pre_ln_and_lns_records():
 def test_a_sitting_with_arms_reports_every_arm_the_study_has_records_for(tmp_path):
     """`--arms` picks what a sitting trains, not what its report shows: the committed long-rivals records of the arms
     left out stay in the report, and an arm short of a seed makes the report partial."""
-    shutil.copytree(engine.REPO / "docs/study_long_mixed_compile/runs", tmp_path / "runs")
+    shutil.copytree(runs.REPO / "docs/study_long_mixed_compile/runs", tmp_path / "runs")
     (tmp_path / "runs/skipinit-seed3.json").unlink()
     for arm in ("peri", "gpas", "lns_gpas", "bhyt", "hybridnorm"):  # arms with no records at all, whatever is committed
         for record in (tmp_path / "runs").glob(f"{arm}-seed*.json"):
@@ -247,15 +253,15 @@ def test_budget_evidence_counts_only_runs_that_reached_the_end():
 
 
 def test_projected_wall_time_replays_the_two_lane_schedule():
-    specs = [engine.RunSpec(arm, 1, (), (4,)) for arm in ("a", "b", "c", "d")]
+    specs = [runs.RunSpec(arm, 1, (), (4,)) for arm in ("a", "b", "c", "d")]
     minutes = {"a": 30, "b": 10, "c": 10, "d": 20}
     records = {f"{arm}-seed1": dict(train_seconds=60 * m - 60, analysis_seconds=60) for arm, m in minutes.items()}
     # lane 1: a (0-30); lane 2: b (0-10), c (10-20), d (20-40): 40 minutes, not the 35 of an even split
-    assert engine.projected_wall_minutes(specs, records, 2) == pytest.approx(40)
-    assert engine.projected_wall_minutes(specs, records, 1) == pytest.approx(70)
+    assert report.projected_wall_minutes(specs, records, 2) == pytest.approx(40)
+    assert report.projected_wall_minutes(specs, records, 1) == pytest.approx(70)
     untimed = dict(records, **{"d-seed1": dict(train_seconds=100, analysis_seconds=None)})
-    assert engine.projected_wall_minutes(specs, untimed, 2) is None
-    assert "projected once" in engine.wall_time_sentence(specs, untimed, 2)
+    assert report.projected_wall_minutes(specs, untimed, 2) is None
+    assert "projected once" in report.wall_time_sentence(specs, untimed, 2)
 
 
 def test_precision_section_shows_a_one_seed_bf16_effect_as_a_point_estimate():
@@ -273,16 +279,16 @@ def test_precision_section_shows_a_one_seed_bf16_effect_as_a_point_estimate():
     differences = compare_norms.one_seed_differences(records, "pre_bf16", "lns_bf16")
     assert differences[0] == pytest.approx(0.1)
     assert differences[1] == pytest.approx(math.log(2.0 / 4.0))
-    section = compare_norms.precision_section(records, compare_norms.pair_verdicts(records, "pre", "lns"),
-                                              compare_norms.pair_verdicts(records, "pre_bf16", "lns_bf16"))
+    section = compare_norms.precision_section(records, study_pair_verdicts(records, "pre", "lns"),
+                                              study_pair_verdicts(records, "pre_bf16", "lns_bf16"))
     loss_row = next(line for line in section.splitlines() if line.startswith("| LNS reaches a lower eval loss"))
     assert "+0.1000 (one seed, no interval)" in loss_row and loss_row.endswith("| differs |")
     variance_row = next(line for line in section.splitlines() if line.startswith("| Pre-LN's residual variance"))
     assert variance_row.endswith("| same |")
     assert "seed 1: +0.2900 (one seed, no interval)" in section  # Pre-LN's bf16 cost: 5.30 - 5.01
     del records["lns_bf16-seed1"]  # no bf16 pair: nothing to compare, so no row may say the signs differ
-    section = compare_norms.precision_section(records, compare_norms.pair_verdicts(records, "pre", "lns"),
-                                              compare_norms.pair_verdicts(records, "pre_bf16", "lns_bf16"))
+    section = compare_norms.precision_section(records, study_pair_verdicts(records, "pre", "lns"),
+                                              study_pair_verdicts(records, "pre_bf16", "lns_bf16"))
     claim_rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert claim_rows and all(line.endswith("| n/a |") for line in claim_rows), claim_rows
 
@@ -301,7 +307,7 @@ def test_gap_plot_of_a_partial_sweep_skips_depths_without_an_interval(tmp_path):
     one_seed = verdicts.judge_seeds("gap", -1, {1: 5.0}, {1: 4.9})  # one pair: no effect, no interval
     three = verdicts.judge_seeds("gap", -1, {1: 5.0, 2: 5.1, 3: 5.2}, {1: 4.9, 2: 5.0, 3: 5.05})
     assert one_seed.effect is None and three.effect is not None
-    path = depth_sweep.plot_gap([one_seed, three], (6, 12), tmp_path / "gap.png")
+    path = sweep.plot_gap([one_seed, three], (6, 12), tmp_path / "gap.png")
     assert path.stat().st_size > 1000
 
 
@@ -344,13 +350,13 @@ def test_depth_sweep_quick_end_to_end_then_reuses_every_record(tmp_path):
     for png in ("measures_vs_depth.png", "loss_gap_vs_depth.png"):
         assert (out / png).stat().st_size > 1000
     record = json.loads(next((out / "runs").glob("L4-lns-seed1.json")).read_text())
-    assert record["machine"] == engine.machine_description()
+    assert record["machine"] == host.machine_description()
     assert f"**Machine** of the runs: {record['machine']} (13 runs)." in report  # the probe too
     analysed = record["analyses"][max(record["analyses"], key=int)]
     assert len(analysed["jacobian_rel_identity_dev"]) == 4 and len(analysed["removal_nats"]) == 4
     assert len(analysed["block_influence"]) == 4  # the angular tool's block influence reaches the record
     assert len(analysed["removal_document_nats"]) == 2 and len(analysed["removal_document_costs"]) == 4  # 2 documents
-    assert len(engine.document_measures(record)["removal_deep"]) == 2
+    assert len(measures.document_measures(record)["removal_deep"]) == 2
     # A second invocation, with the runs folder gone, reuses the committed records and trains nothing.
     shutil.rmtree(runs)
     assert depth_sweep.main(["--quick", *float32_eager, "--out", str(out), "--runs_dir", str(runs)]) == 0
@@ -377,8 +383,8 @@ def test_max_hours_is_one_deadline_for_the_sweep_and_its_probe(tmp_path, monkeyp
         clock[0] += 2 * 3600  # the runs take two hours
         return {}, []
 
-    monkeypatch.setattr(engine.time, "time", lambda: clock[0])
-    monkeypatch.setattr(engine, "run_jobs", fake_run_jobs)
+    monkeypatch.setattr(runs.time, "time", lambda: clock[0])
+    monkeypatch.setattr(runs, "run_jobs", fake_run_jobs)
     monkeypatch.setattr(depth_sweep, "write_report", lambda *args, **kwargs: tmp_path / "report.md")
     assert depth_sweep.main(["--quick", "--max_hours", "1", "--overfit_probe", "--out", str(tmp_path / "report"),
                              "--runs_dir", str(tmp_path / "runs")]) == 0
@@ -402,11 +408,11 @@ def test_an_interrupted_run_resumes_from_its_last_checkpoint(stopped_by, tmp_pat
     """Killed, a run leaves no results.json; stopped by SIGTERM (a session's end), the trainer saves, writes
     results.json with status "stopped" and exits 5. Either way the next invocation continues the run from its last
     checkpoint instead of analysing the partial model as if it had finished."""
-    monkeypatch.setattr(engine, "RESUMABLE_CHECKPOINTS", 2)  # model_6 stays resumable once model_8 is gone
+    monkeypatch.setattr(runs, "RESUMABLE_CHECKPOINTS", 2)  # model_6 stays resumable once model_8 is gone
     args = depth_sweep.parse_args(["--quick", "--out", str(tmp_path / "report"), "--runs_dir", str(tmp_path / "runs")])
-    spec, settings = depth_sweep.probe_spec(args), engine.analysis_settings(args.settings)
+    spec, settings = depth_sweep.probe_spec(args), runs.analysis_settings(args.settings)
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
-    whole = engine.run_job(spec, settings, args.runs_dir, tmp_path / "records", env)
+    whole = runs.run_job(spec, settings, args.runs_dir, tmp_path / "records", env)
     # Make the folder look like a run interrupted after its step-6 checkpoint: no step-8 checkpoint.
     run_dir = args.runs_dir / spec.name
     results = json.loads((run_dir / "results.json").read_text())
@@ -417,7 +423,7 @@ def test_an_interrupted_run_resumes_from_its_last_checkpoint(stopped_by, tmp_pat
                                                               final_eval_loss=None, stop_signal="SIGTERM")))
     shutil.rmtree(run_dir / "model_8")
     (tmp_path / "records" / f"{spec.name}.json").unlink()
-    resumed = engine.run_job(spec, settings, args.runs_dir, tmp_path / "records", env)
+    resumed = runs.run_job(spec, settings, args.runs_dir, tmp_path / "records", env)
     assert "resumed from" in (args.runs_dir / "logs" / f"{spec.name}.train.log").read_text()
     assert resumed["status"] == "finished" and resumed["last_step"] == 8 and resumed["reused"] == "no"
     assert [step for step, _ in resumed["eval_curve"]] == [2, 4, 6, 8]  # rows past step 6 replaced, not repeated
@@ -436,7 +442,7 @@ def test_one_seed_pairs_are_judged_over_held_out_documents():
     records = {"pre_bf16-seed1": record("pre_bf16", 1, pre_nats, [0.01] * 6),
                "lns_bf16-seed1": record("lns_bf16", 1, [n - 0.2 for n in pre_nats],
                                         [0.03, 0.02, 0.04, 0.03, 0.02, 0.03])}
-    found = compare_norms.pair_verdicts(records, "pre_bf16", "lns_bf16")
+    found = study_pair_verdicts(records, "pre_bf16", "lns_bf16")
     loss, removal = found[0], found[-1]
     assert loss.unit == "documents" and loss.n_pairs == 6
     assert loss.effect == pytest.approx(-0.2) and loss.status == verdicts.REPRODUCED
@@ -447,10 +453,10 @@ def test_one_seed_pairs_are_judged_over_held_out_documents():
     # Removal that helps both models on every document is "not reproduced", whatever the order.
     records["pre_bf16-seed1"] = record("pre_bf16", 1, pre_nats, [-0.03] * 6)
     records["lns_bf16-seed1"] = record("lns_bf16", 1, pre_nats, [-0.01, -0.02, -0.01, -0.015, -0.01, -0.02])
-    assert compare_norms.pair_verdicts(records, "pre_bf16", "lns_bf16")[-1].status == verdicts.NOT_REPRODUCED
+    assert study_pair_verdicts(records, "pre_bf16", "lns_bf16")[-1].status == verdicts.NOT_REPRODUCED
     # A run analysed before per-document values existed keeps the one-seed "not measurable".
     del records["lns_bf16-seed1"]["analyses"]["4"]["removal_document_costs"]
-    assert compare_norms.pair_verdicts(records, "pre_bf16", "lns_bf16")[0].status == verdicts.NOT_MEASURABLE
+    assert study_pair_verdicts(records, "pre_bf16", "lns_bf16")[0].status == verdicts.NOT_MEASURABLE
 
 
 def test_per_arm_table_sets_every_arm_against_pre_ln_and_lns(tmp_path):
@@ -478,12 +484,12 @@ def test_per_arm_table_sets_every_arm_against_pre_ln_and_lns(tmp_path):
 def test_compile_flag_reaches_every_run_and_its_record_identity(study, compile_flag, tmp_path, monkeypatch):
     """--compile trains every run compiled, and it is part of the flags a record is matched on."""
     ran = []
-    monkeypatch.setattr(engine, "run_jobs", lambda specs, *rest: (ran.extend(specs), ({}, []))[1])
+    monkeypatch.setattr(runs, "run_jobs", lambda specs, *rest: (ran.extend(specs), ({}, []))[1])
     argv = ["--quick", "--out", str(tmp_path / "report"), "--runs_dir", str(tmp_path / "runs")]
     args = study.parse_args(argv + ["--compile" if compile_flag else "--no-compile"])
     specs = (compare_norms.run_specs(args, compare_norms.study_arms(args)) if study is compare_norms
              else depth_sweep.run_specs(args))
-    engine.collect_records(args, specs)
+    runs.collect_records(args, specs)
     assert ran and all(("--compile" in spec.flags()) == compile_flag for spec in ran)
     assert all("--compile" not in spec.flags() for spec in specs)  # the caller's specs are left as they were
 
@@ -493,12 +499,12 @@ def test_compile_flag_reaches_every_run_and_its_record_identity(study, compile_f
 def test_dtype_flag_reaches_every_run_but_the_pure_bf16_arms(study, dtype, tmp_path, monkeypatch):
     """--dtype sets what every run with fp32 master weights trains in; a pure-bf16 arm keeps bfloat16."""
     ran = []
-    monkeypatch.setattr(engine, "run_jobs", lambda specs, *rest: (ran.extend(specs), ({}, []))[1])
+    monkeypatch.setattr(runs, "run_jobs", lambda specs, *rest: (ran.extend(specs), ({}, []))[1])
     argv = ["--budget", "default", "--out", str(tmp_path / "report"), "--runs_dir", str(tmp_path / "runs")]
     args = study.parse_args(argv + ["--dtype", dtype])
     specs = (compare_norms.run_specs(args, compare_norms.study_arms(args)) if study is compare_norms
              else depth_sweep.run_specs(args))
-    engine.collect_records(args, specs)
+    runs.collect_records(args, specs)
 
     def trained_in(spec):
         flags = spec.flags()
@@ -522,8 +528,7 @@ def test_precision_section_names_the_study_dtype():
     records = {f"{arm}-seed{seed}": dict(arm=arm, seed=seed, status="finished", final_eval_loss=5.0 - 0.1 * seed,
                                          eval_curve=[[10, 5.0]], analyses={"10": crafted_analysis()})
                for arm in ("pre", "lns", "pre_bf16", "lns_bf16") for seed in (1, 2)}
-    found = [compare_norms.pair_verdicts(records, "pre", "lns"), compare_norms.pair_verdicts(records, "pre_bf16",
-                                                                                             "lns_bf16")]
+    found = [study_pair_verdicts(records, "pre", "lns"), study_pair_verdicts(records, "pre_bf16", "lns_bf16")]
     text = compare_norms.precision_section(records, *found, "mixed precision")
     assert "mixed precision effect" in text and "pure bf16 minus mixed precision" in text and "float32" not in text
 
@@ -550,7 +555,7 @@ def test_a_dtype_or_compile_variant_gets_its_own_default_folders(study, budget, 
     """A variant's runs are other records: by default they go beside the committed ones, never over them; the
     committed float32, eager records keep their plain folders."""
     args = study.parse_args(["--budget", budget, *flags])
-    assert args.out == engine.REPO / out and args.runs_dir == engine.REPO / runs_dir
+    assert args.out == runs.REPO / out and args.runs_dir == runs.REPO / runs_dir
 
 
 @pytest.mark.parametrize("argv, command", [
@@ -562,24 +567,24 @@ def test_a_dtype_or_compile_variant_gets_its_own_default_folders(study, budget, 
 ])
 def test_a_report_names_the_precision_and_mode_it_was_trained_in(argv, command):
     """The report's command stays true when a default changes: it always names --dtype and --compile."""
-    line = engine.generated_by("utils/compare_norms.py", argv, compare_norms.parse_args(argv))
+    line = report.generated_by("utils/compare_norms.py", argv, compare_norms.parse_args(argv))
     assert line.startswith(f"Generated by `{command}")
 
 
 def test_only_a_sitting_that_ran_reports_its_duration():
     """--report_only trains nothing: its header says so instead of timing the rewrite."""
     started = time.time() - 90
-    assert engine.sitting_clause(["--report_only"], started, reused=11) == "."
-    clause = engine.sitting_clause(["--max_hours", "1"], started, reused=4)
+    assert report.sitting_clause(["--report_only"], started, reused=11) == "."
+    clause = report.sitting_clause(["--max_hours", "1"], started, reused=4)
     assert clause.startswith("; this invocation took 1.5 minutes") and "reused 4 records" in clause
 
 
 def test_a_report_names_the_machines_its_records_were_made_on():
     """--report_only may rewrite a report elsewhere: its machine line comes from the records, not the writer."""
     records = {"a": dict(machine="Xeon"), "b": dict(machine="EPYC"), "c": dict(machine="Xeon"), "d": {}}
-    line = engine.records_machines(records)
+    line = host.records_machines(records)
     assert line.startswith("Xeon (2 runs); EPYC (1 runs); not recorded for 1 runs")
-    assert engine.records_machines({}) == "no records yet"
+    assert host.records_machines({}) == "no records yet"
 
 
 def test_the_overfit_probe_is_found_again_in_the_default_setting(tmp_path, monkeypatch):
@@ -589,13 +594,13 @@ def test_the_overfit_probe_is_found_again_in_the_default_setting(tmp_path, monke
         records_dir.mkdir(parents=True, exist_ok=True)
         records = {}
         for spec in specs:
-            records[spec.name] = dict(version=engine.RECORD_VERSION, arm=spec.arm, seed=spec.seed,
+            records[spec.name] = dict(version=runs.RECORD_VERSION, arm=spec.arm, seed=spec.seed,
                                       flags=spec.flags(), analysis_settings=dataclasses.asdict(settings),
                                       status="finished", last_step=8, analyses={}, eval_curve=[[8, 5.0]])
             (records_dir / f"{spec.name}.json").write_text(json.dumps(records[spec.name]))
         return records, []
 
-    monkeypatch.setattr(engine, "run_jobs", fake_run_jobs)
+    monkeypatch.setattr(runs, "run_jobs", fake_run_jobs)
     folders = ["--quick", "--out", str(tmp_path / "report"), "--runs_dir", str(tmp_path / "runs")]
     trained = depth_sweep.collect_probe(depth_sweep.parse_args([*folders, "--overfit_probe"]))
     assert "--compile" in trained["flags"] and trained["flags"][trained["flags"].index("--dtype") + 1] == "mixed"
@@ -604,18 +609,18 @@ def test_the_overfit_probe_is_found_again_in_the_default_setting(tmp_path, monke
 
 def test_jobs_are_lowered_until_the_runs_in_flight_fit_on_the_disk(tmp_path, monkeypatch, capsys):
     """On a GPU, 18 hidden-1024 runs side by side filled a 64 GiB disk with checkpoints (session 29)."""
-    spec = engine.RunSpec("wide", 1, ("--model_config", "configs/llama_130m.json", "--num_training_steps", "400"),
+    spec = runs.RunSpec("wide", 1, ("--model_config", "configs/llama_130m.json", "--num_training_steps", "400"),
                              analyse_steps=(200, 300, 400))
-    narrow = engine.RunSpec("narrow", 1, ("--model_config", "configs/llama_tiny.json", "--num_training_steps",
+    narrow = runs.RunSpec("narrow", 1, ("--model_config", "configs/llama_tiny.json", "--num_training_steps",
                                              "400"), analyse_steps=(200, 300, 400))
-    largest = engine.checkpoint_bytes(spec)
-    assert largest > engine.checkpoint_bytes(narrow) > 0
+    largest = runs.checkpoint_bytes(spec)
+    assert largest > runs.checkpoint_bytes(narrow) > 0
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(engine.shutil, "disk_usage", lambda path: usage._replace(free=int(2.5 * largest)))
-    assert engine.jobs_the_disk_holds([narrow, spec], 6, tmp_path) == 2
+    monkeypatch.setattr(runs.shutil, "disk_usage", lambda path: usage._replace(free=int(2.5 * largest)))
+    assert runs.jobs_the_disk_holds([narrow, spec], 6, tmp_path) == 2
     assert "--jobs 6 lowered to 2" in capsys.readouterr().out
-    monkeypatch.setattr(engine.shutil, "disk_usage", lambda path: usage._replace(free=100 * largest))
-    assert engine.jobs_the_disk_holds([narrow, spec], 6, tmp_path) == 6
+    monkeypatch.setattr(runs.shutil, "disk_usage", lambda path: usage._replace(free=100 * largest))
+    assert runs.jobs_the_disk_holds([narrow, spec], 6, tmp_path) == 6
     assert capsys.readouterr().out == ""
 
 
@@ -667,12 +672,12 @@ def test_block_influence_is_the_fifth_measure_where_the_records_have_it():
                     analyses={"4": analysis})
 
     old = {f"{arm}-seed{seed}": record(arm, seed) for arm in ("pre", "lns") for seed in (1, 2, 3)}
-    assert "bi_deep" not in engine.measures_in(old) and "jacobian_deep" in engine.measures_in(old)
-    assert not any("block influence" in v.claim for v in compare_norms.pair_verdicts(old, "pre", "lns"))
+    assert "bi_deep" not in measures.measures_in(old) and "jacobian_deep" in measures.measures_in(old)
+    assert not any("block influence" in v.claim for v in study_pair_verdicts(old, "pre", "lns"))
     new = {f"{arm}-seed{seed}": record(arm, seed, [0.3] * 4 + [base + 0.01 * seed] * 4)
            for arm, base in (("pre", 0.02), ("lns", 0.05)) for seed in (1, 2, 3)}
-    assert engine.by_seed(new, "lns", "bi_deep")[2] == pytest.approx(0.07)  # the deeper half only
-    influence = compare_norms.pair_verdicts(new, "pre", "lns")[-1]
+    assert measures.by_seed(new, "lns", "bi_deep")[2] == pytest.approx(0.07)  # the deeper half only
+    influence = study_pair_verdicts(new, "pre", "lns")[-1]
     assert "block influence" in influence.claim and influence.effect == pytest.approx(0.03)
     assert influence.status == verdicts.REPRODUCED
     assert "deep block influence" in compare_norms.per_arm_table(new, [compare_norms.ARM_BY_NAME["lns"]])
@@ -728,7 +733,7 @@ def test_comparative_depth_verdicts_tell_a_narrowing_gap_from_a_growing_ratio():
     (the ratio fixed), the gap LNS − Pre-LN narrows toward zero, which is not LNS's deep layers becoming
     relatively more active: the gap's slope is reproduced, the ratio's is not. When LNS's measure holds while
     Pre-LN's shrinks, both are."""
-    axis = depth_sweep.Axis("L", "L", "layers L", "depth", (6, 12, 24, 48))
+    axis = sweep.Axis("L", "L", "layers L", "depth", (6, 12, 24, 48))
     wobble = {1: 1.0, 2: 1.02, 3: 0.97}  # per-seed noise, so that intervals are not degenerate
 
     def loss(norm, depth, seed):
@@ -767,13 +772,13 @@ def test_a_study_runs_again_into_a_new_report_folder_over_the_same_runs(tmp_path
     """Issue 46: a report folder moved or deleted, then the study run again over the same runs folder. The second
     invocation reuses the training and redoes the analysis cleanly (it was refused: layer_remove.py found its own
     earlier sweep), and the analysis gives the same numbers. The depth sweep's first quick run, as a user runs it;
-    compare_norms and width_sweep go through the same engine.run_job (the next test covers all three)."""
+    compare_norms and width_sweep go through the same runs.run_job (the next test covers all three)."""
     runs = tmp_path / "runs"
 
     def first_spec_into(report):
         args = depth_sweep.parse_args(["--quick", "--dtype", "float32", "--no-compile", "--out", str(report),
                                        "--runs_dir", str(runs)])
-        records, skipped = engine.collect_records(args, depth_sweep.run_specs(args)[:1])
+        records, skipped = runs.collect_records(args, depth_sweep.run_specs(args)[:1])
         assert not skipped
         return next(iter(records.values()))
 
@@ -792,7 +797,7 @@ def test_every_study_redoes_an_analysis_folder_left_by_an_earlier_invocation(scr
     study = {"compare_norms": compare_norms, "depth_sweep": depth_sweep, "width_sweep": width_sweep}[script]
     args = study.parse_args(["--quick", "--out", str(tmp_path / "report"), "--runs_dir", str(tmp_path / "runs")])
     specs = study.run_specs(args, study.study_arms(args)) if study is compare_norms else study.run_specs(args)
-    settings = engine.analysis_settings(args.settings)
+    settings = runs.analysis_settings(args.settings)
     run_dir = tmp_path / "runs" / specs[0].name
     for step in specs[0].analyse_steps:
         (run_dir / f"model_{step}").mkdir(parents=True)
@@ -805,11 +810,11 @@ def test_every_study_redoes_an_analysis_folder_left_by_an_earlier_invocation(scr
         sweep.write_text("{}")
         return {"checkpoint": checkpoint.name}
 
-    monkeypatch.setattr(engine, "analyse_checkpoint", refusing_analysis)
+    monkeypatch.setattr(analyse, "analyse_checkpoint", refusing_analysis)
     command = ["--run_dir", str(run_dir), "--steps", *map(str, specs[0].analyse_steps), "--settings",
                json.dumps(dataclasses.asdict(settings)), "--out_json", str(run_dir / "study_analyses.json")]
     for _ in range(2):
-        assert engine._analyse_main(command) == 0
+        assert analyse.main(command) == 0
     assert set(json.loads((run_dir / "study_analyses.json").read_text())) == {str(s) for s in specs[0].analyse_steps}
 
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from utils import compare_norms, depth_sweep, width_sweep
-from utils.study import engine, verdicts
+from utils.study import cli, runs, verdicts
 
 STUDIES = [compare_norms, depth_sweep, width_sweep]
 
@@ -21,12 +21,12 @@ def specs_of(study, args):
 
 
 def flag(spec, name):
-    flags = list(spec.flags() if isinstance(spec, engine.RunSpec) else spec)
+    flags = list(spec.flags() if isinstance(spec, runs.RunSpec) else spec)
     return flags[flags.index(name) + 1]
 
 
 def config_of(flags) -> dict:
-    return json.loads((engine.REPO / flag(flags, "--model_config")).read_text())  # absolute paths stay absolute
+    return json.loads((runs.REPO / flag(flags, "--model_config")).read_text())  # absolute paths stay absolute
 
 
 def test_width_is_the_only_thing_that_changes(tmp_path):
@@ -60,11 +60,11 @@ def test_width_is_the_only_thing_that_changes(tmp_path):
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_device_reaches_every_run_its_analyses_and_its_folders(study, device, tmp_path, monkeypatch):
     ran = []
-    monkeypatch.setattr(engine, "cuda_available", lambda: True)  # no GPU needed: nothing trains
-    monkeypatch.setattr(engine, "run_jobs", lambda specs, settings, *rest: (ran.append((specs, settings)),
+    monkeypatch.setattr(cli, "cuda_available", lambda: True)  # no GPU needed: nothing trains
+    monkeypatch.setattr(runs, "run_jobs", lambda specs, settings, *rest: (ran.append((specs, settings)),
                                                                                 ({}, []))[1])
     args = study.parse_args(["--quick", "--device", device, "--runs_dir", str(tmp_path / "runs")])
-    engine.collect_records(args, specs_of(study, args))
+    runs.collect_records(args, specs_of(study, args))
     (specs, settings), = ran
     assert specs and {flag(spec, "--device") for spec in specs} == {device} and settings.device == device
     assert args.out.parent.name.endswith("_cuda") == (device == "cuda")  # runs/<study>_quick..._cuda/report
@@ -76,25 +76,25 @@ def test_device_reaches_every_run_its_analyses_and_its_folders(study, device, tm
 def test_a_record_is_reused_only_on_the_device_it_was_made_on():
     """The device is part of a record's identity, as the dtype is; a record made before the device was recorded
     was made on the CPU, and still stands for a CPU run."""
-    cpu_settings = engine.AnalysisSettings(64, 10, 2, 0, 2)
+    cpu_settings = runs.AnalysisSettings(64, 10, 2, 0, 2)
     cuda_settings = dataclasses.replace(cpu_settings, device="cuda")
     assert cpu_settings.device == "cpu"
-    cpu = engine.RunSpec("pre", 1, ("--lr", "1e-3", "--device", "cpu"), (2,))
-    cuda = engine.RunSpec("pre", 1, ("--lr", "1e-3", "--device", "cuda"), (2,))
-    old = dict(version=engine.RECORD_VERSION, flags=cpu.flags(), last_step=2, analyses={"2": {}},
+    cpu = runs.RunSpec("pre", 1, ("--lr", "1e-3", "--device", "cpu"), (2,))
+    cuda = runs.RunSpec("pre", 1, ("--lr", "1e-3", "--device", "cuda"), (2,))
+    old = dict(version=runs.RECORD_VERSION, flags=cpu.flags(), last_step=2, analyses={"2": {}},
                analysis_settings={k: v for k, v in dataclasses.asdict(cpu_settings).items() if k != "device"})
-    assert engine.record_matches(old, cpu, cpu_settings) and engine.record_device(old) == "cpu"
-    assert not engine.record_matches(old, cuda, cuda_settings)
-    assert not engine.record_matches(old, cpu, cuda_settings)  # CPU training, GPU analyses: another record
+    assert runs.record_matches(old, cpu, cpu_settings) and runs.record_device(old) == "cpu"
+    assert not runs.record_matches(old, cuda, cuda_settings)
+    assert not runs.record_matches(old, cpu, cuda_settings)  # CPU training, GPU analyses: another record
     gpu = dict(old, flags=cuda.flags(), analysis_settings=dataclasses.asdict(cuda_settings), device="cuda")
-    assert engine.record_matches(gpu, cuda, cuda_settings) and engine.record_device(gpu) == "cuda"
-    assert not engine.record_matches(gpu, cpu, cpu_settings)
-    assert engine.record_device(dict(old, flags=["--lr", "1e-3"])) == "cpu"
+    assert runs.record_matches(gpu, cuda, cuda_settings) and runs.record_device(gpu) == "cuda"
+    assert not runs.record_matches(gpu, cpu, cpu_settings)
+    assert runs.record_device(dict(old, flags=["--lr", "1e-3"])) == "cpu"
 
 
 @pytest.mark.parametrize("study", STUDIES)
 def test_device_cuda_without_cuda_is_one_line_and_exit_2_before_any_work(study, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(engine, "cuda_available", lambda: False)
+    monkeypatch.setattr(cli, "cuda_available", lambda: False)
     with pytest.raises(SystemExit) as exit_info:
         study.parse_args(["--device", "cuda", "--out", str(tmp_path / "report"), "--runs_dir", str(tmp_path / "runs")])
     assert exit_info.value.code == 2
@@ -106,7 +106,7 @@ def test_device_cuda_without_cuda_is_one_line_and_exit_2_before_any_work(study, 
 @pytest.mark.parametrize("study", STUDIES)
 def test_a_gpu_studys_report_is_written_on_a_machine_without_cuda(study, tmp_path, monkeypatch):
     """--report_only trains nothing: a GPU sweep's committed records are reported anywhere."""
-    monkeypatch.setattr(engine, "cuda_available", lambda: False)
+    monkeypatch.setattr(cli, "cuda_available", lambda: False)
     args = study.parse_args(["--device", "cuda", "--report_only", "--out", str(tmp_path / "report"),
                              "--runs_dir", str(tmp_path / "runs")])
     assert args.device == "cuda"
@@ -124,11 +124,11 @@ def test_a_study_without_lm_eval_stops_in_one_line_before_training(study, tmp_pa
 
 
 def test_width_sweep_device_cuda_without_cuda_from_the_command_line(tmp_path):
-    if engine.cuda_available():
+    if cli.cuda_available():
         pytest.skip("this machine has a GPU")
     result = subprocess.run([sys.executable, "utils/width_sweep.py", "--device", "cuda", "--out",
                              str(tmp_path / "report"), "--runs_dir", str(tmp_path / "runs")],
-                            cwd=engine.REPO, capture_output=True, text=True, timeout=120)
+                            cwd=runs.REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and not result.stdout
     assert len(result.stderr.strip().splitlines()) == 1 and "--device cuda" in result.stderr
     assert not list(tmp_path.iterdir())
@@ -204,7 +204,7 @@ def test_width_sweep_quick_end_to_end_then_reuses_every_record(tmp_path, monkeyp
     assert width_sweep.main(argv) == 0
     assert not (runs / "logs").exists() and "reused 4 records" in (out / "report.md").read_text()
     # The CPU records do not stand in for GPU runs: a GPU report in the same folder finds none of them.
-    monkeypatch.setattr(engine, "cuda_available", lambda: True)
+    monkeypatch.setattr(cli, "cuda_available", lambda: True)
     assert width_sweep.main([*argv, "--device", "cuda", "--report_only"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert not summary["runs"] and len(summary["missing"]) == 4 and summary["device"] == "cuda"

@@ -102,12 +102,12 @@ def test_trainer_trains_and_evaluates_on_the_named_dataset(corpus, tmp_path):
 
     # The study's analyses of that checkpoint read the corpus's validation articles: the fixture has 4, the embedded
     # held-out novel hundreds, so asking for 10 documents tells the two apart.
-    from utils.study import engine
+    from utils.study import analyse, runs
 
-    settings = engine.AnalysisSettings(max_seq_len=32, stream_tokens=64, jacobian_tokens=2, jacobian_probes=0,
+    settings = runs.AnalysisSettings(max_seq_len=32, stream_tokens=64, jacobian_tokens=2, jacobian_probes=0,
                                        removal_documents=10, heldout="wikipedia")
     with (tmp_path / "analysis.log").open("w") as log:
-        analysis = engine.analyse_checkpoint(run / "model_3", settings, tmp_path / "analysis", log)
+        analysis = analyse.analyse_checkpoint(run / "model_3", settings, tmp_path / "analysis", log)
     assert len(analysis["removal_document_nats"]) == 4
     assert len(analysis["variance"]) == 5  # the embeddings and the 4 layers of the tiny config
 
@@ -144,7 +144,7 @@ def test_depth_sweep_budget_refuses_to_start_without_the_corpus(tmp_path, monkey
 
 def test_depth_sweep_wikipedia_runs_and_analyses_read_the_corpus(corpus, tmp_path):
     from utils import depth_sweep
-    from utils.study import engine
+    from utils.study import analyse, runs
 
     args = depth_sweep.parse_args(["--budget", "wikipedia", "--dtype", "float32", "--no-compile",
                                    "--runs_dir", str(tmp_path / "runs")])
@@ -161,12 +161,12 @@ def test_depth_sweep_wikipedia_runs_and_analyses_read_the_corpus(corpus, tmp_pat
         assert spec.save_every and spec.save_every < min(spec.analyse_steps)
         eval_every = int(flags[flags.index("--eval_every") + 1])
         assert all(step % spec.save_every == 0 and step % eval_every == 0 for step in spec.analyse_steps)
-    settings = engine.analysis_settings(s, args.device)
+    settings = runs.analysis_settings(s, args.device)
     assert settings.heldout == "wikipedia" and settings.max_seq_len == s["max_length"]
-    stream_flags, removal_flags = engine.heldout_text_flags(settings.heldout)
+    stream_flags, removal_flags = analyse.heldout_text_flags(settings.heldout)
     assert stream_flags == ["--text_file", str(corpus / "validation.jsonl.gz")]
     assert removal_flags == ["--task_text_file", str(corpus / "validation.jsonl.gz")]
-    assert engine.heldout_text_flags("embedded") == (["--dataset", "embedded"], [])
+    assert analyse.heldout_text_flags("embedded") == (["--dataset", "embedded"], [])
 
 
 def test_wikipedia_budgets_stay_within_one_pass_and_see_enough_tokens():
@@ -185,15 +185,15 @@ def test_wikipedia_budgets_stay_within_one_pass_and_see_enough_tokens():
 
 
 def test_old_records_still_match_without_a_heldout_setting():
-    from utils.study import engine
+    from utils.study import runs
 
-    settings = engine.AnalysisSettings(128, 8192, 32, 8, 16)
-    spec = engine.RunSpec("L6-pre", 1, ("--x",), (200,))
-    old = dict(version=engine.RECORD_VERSION, flags=spec.flags(), last_step=200, status="finished",
+    settings = runs.AnalysisSettings(128, 8192, 32, 8, 16)
+    spec = runs.RunSpec("L6-pre", 1, ("--x",), (200,))
+    old = dict(version=runs.RECORD_VERSION, flags=spec.flags(), last_step=200, status="finished",
                analysis_settings={k: v for k, v in settings.__dict__.items() if k not in ("heldout", "device")},
                analyses={"200": {}})
-    assert engine.record_matches(old, spec, settings)
-    assert not engine.record_matches(old, spec, engine.AnalysisSettings(128, 8192, 32, 8, 16, heldout="wikipedia"))
+    assert runs.record_matches(old, spec, settings)
+    assert not runs.record_matches(old, spec, runs.AnalysisSettings(128, 8192, 32, 8, 16, heldout="wikipedia"))
 
 
 @needs_corpus

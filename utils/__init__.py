@@ -12,8 +12,7 @@ Studies (docs/study.md), Pre-LN against LNS and the other placements, trained an
     compare_norms       the CPU-scale study: every placement on one budget, with every instrument
     depth_sweep         the same at several depths; width_sweep at several widths
     wikipedia_pilot.sh  the depth sweep on the Wikipedia corpus, one lane, each record committed as it lands
-    study/              their engine: study/engine.py (runs, records, analyses, reports) and study/verdicts.py
-                        (paired verdicts on the paper's claims, with an effect and its 95% interval)
+    study/              their library: runs, analyses, records, claims, verdicts and report pieces (study/__init__.py)
 
 Checkpoints and fine-tuning:
     export_hf           export a checkpoint of ours to a stock transformers LlamaForCausalLM

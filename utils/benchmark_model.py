@@ -66,7 +66,7 @@ from peft_pretraining import modeling_llama  # noqa: E402
 from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
 from peft_pretraining.host_memory import keep_freed_host_memory  # noqa: E402
 from peft_pretraining.optimization import build_optimizer  # noqa: E402
-from utils.study.engine import bf16_instructions, cpu_model_name  # noqa: E402
+from utils.study.host import bf16_instructions, cpu_model_name  # noqa: E402
 
 STUDY_CONFIG = "configs/llama_tiny_deep.json"
 MODELS = ("ours", "before", "hf", "hf_eager_attn")
@@ -276,9 +276,10 @@ from utils import compare_norms as study
 if hasattr(study, "run_specs"):
     args = study.parse_args(["--arms", "pre", "--seeds", "1"])
     specs = study.run_specs(args, study.study_arms(args))
-    engine = getattr(study, "engine", None) or study.study_lib  # utils/study/engine.py, utils/study_lib.py before
-    if hasattr(engine, "as_trained"):  # since the studies' defaults became mixed precision, compiled
-        specs = engine.as_trained(args, specs)
+    # utils/study/runs.py; utils/study/engine.py, then utils/study_lib.py before
+    study_runs = getattr(study, "runs", None) or getattr(study, "engine", None) or study.study_lib
+    if hasattr(study_runs, "as_trained"):  # since the studies' defaults became mixed precision, compiled
+        specs = study_runs.as_trained(args, specs)
     flags = specs[0].flags()
 else:
     flags = study.train_flags(study.parse_args([]), "pre", 1)
@@ -411,7 +412,7 @@ def run_side_by_side(args, out_dirs: list[Path], threads: int) -> dict:
 
 
 def layout_section(args) -> list[dict]:
-    """How the study should share the cores among its runs (utils/study/engine.py runs --jobs runs of one thread each).
+    """How the study should share the cores among its runs (utils/study/runs.py runs --jobs runs of one thread each).
 
     `--layout_cores` runs side by side with one thread each, against the same runs one after another with
     `--layout_cores` threads each. The figure is the machine's total training throughput: the sum of the

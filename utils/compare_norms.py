@@ -34,8 +34,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
-from utils.study import engine, verdicts  # noqa: E402
-from utils.study.engine import RunSpec  # noqa: E402
+from utils.study import cli, measures, plots, report, runs, verdicts  # noqa: E402
+from utils.study.claims import CORE_CLAIMS, effect_text, loss_verdict, pair_verdicts, verdict_lines  # noqa: E402
+from utils.study.measures import by_seed  # noqa: E402
+from utils.study.runs import RunSpec  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +124,7 @@ BUDGETS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    engine.add_study_arguments(parser, BUDGETS)
+    cli.add_study_arguments(parser, BUDGETS)
     parser.add_argument("--arms", nargs="+", default=None,
                         help=f"train only these arms (of {', '.join(ARM_BY_NAME)}); the report also keeps the "
                              "budget's other arms that already have records")
@@ -132,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    engine.resolve_study_args(parser, args, BUDGETS)
+    cli.resolve_study_args(parser, args, BUDGETS)
     if args.seeds:
         for key in SEED_KEYS.values():
             args.settings[key] = tuple(args.seeds)
@@ -158,10 +160,10 @@ def with_saved_arms(args, arms: list[Arm], records: dict, skipped: list[RunSpec]
     chosen = {arm.name for arm in arms}
     others = [arm for arm in budget_arms(args) if arm.name not in chosen]
     other_specs = run_specs(args, others)
-    saved = engine.saved_records(args, other_specs)
+    saved = runs.saved_records(args, other_specs)
     with_records = {record["arm"] for record in saved.values()}
     reported = [arm for arm in ARMS if arm.name in chosen or arm.name in with_records]
-    missing = [spec for spec in engine.as_trained(args, other_specs)
+    missing = [spec for spec in runs.as_trained(args, other_specs)
                if spec.name not in saved and spec.arm in with_records]
     return reported, {**records, **saved}, skipped + missing
 
@@ -169,7 +171,7 @@ def with_saved_arms(args, arms: list[Arm], records: dict, skipped: list[RunSpec]
 def run_specs(args, arms: list[Arm]) -> list[RunSpec]:
     s = args.settings
     num_layers = json.loads((REPO / s["model_config"]).read_text())["num_hidden_layers"]
-    dynamics = engine.evenly_spaced_steps(s["steps"], s["dynamics_points"])
+    dynamics = runs.evenly_spaced_steps(s["steps"], s["dynamics_points"])
     base = ("--model_config", s["model_config"], "--dataset", "embedded", "--tokenizer", "embedded", "--packing",
             "--max_length", str(s["max_length"]), "--batch_size", str(s["batch_size"]), "--total_batch_size",
             str(s["batch_size"]), "--lr", "1e-3", "--warmup_steps", str(s["warmup"]), "--num_training_steps",
@@ -188,18 +190,6 @@ def run_specs(args, arms: list[Arm]) -> list[RunSpec]:
 
 
 # ------------------------------------------------------------------------------------------------------ verdicts
-CORE_CLAIMS = [
-    # (claim about LNS minus Pre-LN, measure, expected direction of (LNS - Pre-LN), compared as a log ratio)
-    ("LNS reaches a lower eval loss than Pre-LN", "eval_loss", -1, False),
-    ("Pre-LN's residual variance grows more with depth than LNS's (ratio of the growths)", "variance_growth", -1,
-     True),
-    ("Deep Pre-LN layers are closer to their successor: LNS's deep d(l, l+1) is larger", "angular_deep", +1, False),
-    ("Deep Pre-LN blocks are closer to the identity: LNS's deep ‖J − I‖ is larger", "jacobian_deep", +1, False),
-]
-REMOVAL_CLAIM = "Removing a deep Pre-LN layer costs less than removing a deep LNS layer (nats/word)"
-# ShortGPT's block influence, the fifth deep-layer measure (issue 39): judged where the records have it
-BI_CLAIM = ("Deep Pre-LN layers change the stream less: LNS's deep block influence 1 − cos(h_l, h_l+1) is larger",
-            "bi_deep", +1, False)
 
 
 GROUP_NAMES = {"core": "the {fp32} Pre-LN and LNS arms", "precision": "the pure-bf16 arms",
@@ -213,74 +203,8 @@ def seeds_sentence(settings: dict, fp32_label: str) -> str:
                                 f"{GROUP_NAMES[group].format(fp32=fp32_label)}" for group in settings["groups"])
 
 
-def values(records, arm: str, measure: str, step: int | None = None) -> dict[int, float | None]:
-    return engine.by_seed(records, arm, measure, step)
-
-
-def one_shared_seed_documents(records, a: str, b: str) -> tuple[dict, dict] | None:
-    """When arms a and b share exactly one finished seed and both runs kept per-document values: those values."""
-    a_losses, b_losses = values(records, a, "eval_loss"), values(records, b, "eval_loss")
-    seeds = [s for s, v in a_losses.items() if v is not None and b_losses.get(s) is not None]
-    if len(seeds) != 1:
-        return None
-    found = [engine.document_measures(records[f"{arm}-seed{seeds[0]}"]) for arm in (a, b)]
-    return None if None in found else (found[0], found[1])
-
-
-def documents_note(verdict: verdicts.Verdict, what: str) -> verdicts.Verdict:
-    note = (f"one seed, so the interval is a bootstrap over {verdict.n_pairs} held-out documents of {what}; "
-            "it holds the documents' noise, not the seed's")
-    verdict.reason = f"{note}; {verdict.reason}" if verdict.reason else note
-    return verdict
-
-
-def loss_verdict(records, a: str, b: str, claim: str, direction: int = -1,
-                 labels: tuple[str, str] | None = None) -> verdicts.Verdict:
-    """b's eval loss against a's, paired by seed; with one shared seed, the held-out loss per document instead.
-    `labels` name the arms (default: the study's labels of arms a and b)."""
-    labels = labels or (ARM_BY_NAME[a].label, ARM_BY_NAME[b].label)
-    verdict = verdicts.judge_seeds(claim, direction, values(records, a, "eval_loss"), values(records, b, "eval_loss"),
-                                   labels)
-    documents = one_shared_seed_documents(records, a, b) if verdict.status == verdicts.NOT_MEASURABLE else None
-    if documents is None:
-        return verdict
-    return documents_note(verdicts.judge_documents(claim, direction, documents[0]["heldout_nats"],
-                                                   documents[1]["heldout_nats"]),
-                          "the held-out novel's loss (nats/word, not the trainer's eval loss)")
-
-
-def pair_verdicts(records, pre: str, lns: str, labels: tuple[str, str] | None = None) -> list[verdicts.Verdict]:
-    """The core claims and the removal claim, arm `lns` against arm `pre` (labelled by `labels`, default the
-    study's labels of the two arms)."""
-    labels = labels or (ARM_BY_NAME[pre].label, ARM_BY_NAME[lns].label)
-    loss_claim, _, loss_direction, _ = CORE_CLAIMS[0]
-    found = [loss_verdict(records, pre, lns, loss_claim, loss_direction, labels)]
-    found += [verdicts.judge_seeds(claim, direction, values(records, pre, measure), values(records, lns, measure),
-                                   labels, log_ratio=log_ratio)
-              for claim, measure, direction, log_ratio in CORE_CLAIMS[1:]]
-    found.append(verdicts.judge_layer_removal(REMOVAL_CLAIM, values(records, pre, "removal_deep"),
-                                              values(records, lns, "removal_deep"), labels))
-    documents = one_shared_seed_documents(records, pre, lns) if found[-1].status == verdicts.NOT_MEASURABLE else None
-    if documents is not None:
-        found[-1] = documents_note(verdicts.judge_layer_removal_documents(
-            REMOVAL_CLAIM, documents[0]["removal_deep"], documents[1]["removal_deep"], labels),
-            "the deep-half removal cost (nats/word)")
-    claim, measure, direction, log_ratio = BI_CLAIM
-    influence = values(records, pre, measure), values(records, lns, measure)
-    if any(v is not None for arm in influence for v in arm.values()):
-        found.append(verdicts.judge_seeds(claim, direction, *influence, labels, log_ratio=log_ratio))
-    return found
-
-
-def effect_text(v: verdicts.Verdict) -> str:
-    if v.effect is None:
-        return v.status
-    unit = "" if v.unit == "seeds" else f" {v.unit}"
-    return f"{v.effect:+.4f} [{v.low:+.4f}, {v.high:+.4f}], {v.n_agree}/{v.n_pairs}{unit} ({v.status})"
-
-
-def verdict_lines(found: list[verdicts.Verdict]) -> str:
-    return "\n".join(f"- {v.line()}" for v in found)
+def arm_labels(a: str, b: str) -> tuple[str, str]:
+    return ARM_BY_NAME[a].label, ARM_BY_NAME[b].label
 
 
 PER_ARM_COLUMNS = {"angular_deep": "deep d(l,l+1)", "removal_deep": "deep removal cost", "jacobian_deep": "deep J dev",
@@ -292,7 +216,8 @@ def per_arm_verdicts(records, arms: list[Arm]) -> dict[str, dict[str, verdicts.V
     (Pre-LN against LNS is the study's first verdict, so it is left out here)."""
     references = [name for name in ("pre", "lns") if any(r["arm"] == name for r in records.values())]
     return {arm.name: {reference: loss_verdict(records, reference, arm.name, f"{arm.label} reaches a lower eval loss "
-                                               f"than {ARM_BY_NAME[reference].label}")
+                                               f"than {ARM_BY_NAME[reference].label}",
+                                               arm_labels(reference, arm.name))
                        for reference in references if arm.name != reference and (arm.name, reference) != ("pre", "lns")}
             for arm in arms}
 
@@ -304,11 +229,11 @@ def per_arm_table(records, arms: list[Arm], planned_seeds: dict[str, int] | None
     arm's seeds are the ones it has records for."""
     references = [name for name in ("pre", "lns") if any(r["arm"] == name for r in records.values())]
     against = per_arm_verdicts(records, arms)
-    taken = engine.measures_in(records)  # a later measure only where some record has it
+    taken = measures.measures_in(records)  # a later measure only where some record has it
     columns = {m: title for m, title in PER_ARM_COLUMNS.items() if m in taken}
     rows = []
     for arm in arms:
-        per_seed = values(records, arm.name, "eval_loss")
+        per_seed = by_seed(records, arm.name, "eval_loss")
         finished = [v for v in per_seed.values() if v is not None]
         diverged = sum(1 for r in records.values() if r["arm"] == arm.name and r["status"] != "finished")
         planned = max(len(per_seed), (planned_seeds or {}).get(arm.name, 0))
@@ -327,7 +252,7 @@ def per_arm_table(records, arms: list[Arm], planned_seeds: dict[str, int] | None
             else:
                 cells.append(effect_text(against[arm.name][reference]))
         for measure in columns:
-            measured = [x for x in values(records, arm.name, measure).values() if x is not None]
+            measured = [x for x in by_seed(records, arm.name, measure).values() if x is not None]
             cells.append(f"{sum(measured) / len(measured):.4f}" if measured else "n/a")
         rows.append("| " + " | ".join(cells) + " |")
     header = " | ".join(f"eval loss − {ARM_BY_NAME[r].label} [95% CI], agreeing" for r in references)
@@ -338,14 +263,14 @@ def per_arm_table(records, arms: list[Arm], planned_seeds: dict[str, int] | None
 def plot_per_arm(records, arms: list[Arm], path: Path) -> Path:
     """Each arm's eval loss and deep-layer measures at its last checkpoint: a dot per seed, a bar (a tick for the loss)
     at the mean."""
-    plt = engine.pyplot()
-    measures = [("eval_loss", "eval loss (nats/token)"), ("angular_deep", "deep d(l, l+1)"),
-                ("removal_deep", "deep removal cost (nats/word)"), ("jacobian_deep", "deep ‖J − I‖/√d")]
-    fig, axes = plt.subplots(1, len(measures), figsize=(3.6 * len(measures), 0.9 + 0.32 * len(arms)), sharey=True)
+    plt = plots.pyplot()
+    panels = [("eval_loss", "eval loss (nats/token)"), ("angular_deep", "deep d(l, l+1)"),
+              ("removal_deep", "deep removal cost (nats/word)"), ("jacobian_deep", "deep ‖J − I‖/√d")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 0.9 + 0.32 * len(arms)), sharey=True)
     rows = range(len(arms))
-    for ax, (measure, title) in zip(axes, measures):
+    for ax, (measure, title) in zip(axes, panels):
         for row, arm in zip(rows, arms):
-            seeds = [v for v in values(records, arm.name, measure).values() if v is not None and math.isfinite(v)]
+            seeds = [v for v in by_seed(records, arm.name, measure).values() if v is not None and math.isfinite(v)]
             if not seeds:
                 continue
             color = "tab:blue" if arm.name in ("pre", "lns") else "0.6"
@@ -368,10 +293,10 @@ def plot_per_arm(records, arms: list[Arm], path: Path) -> Path:
 def one_seed_differences(records, pre: str, lns: str) -> list[float | None]:
     """Per claim of pair_verdicts, LNS minus Pre-LN (a log ratio where the claim uses one) when exactly one seed
     pairs the two arms: a point estimate with no interval, so that a one-seed arm still shows its sign."""
-    measures = [(measure, log_ratio) for _, measure, _, log_ratio in CORE_CLAIMS] + [("removal_deep", False)]
+    claimed = [(measure, log_ratio) for _, measure, _, log_ratio in CORE_CLAIMS] + [("removal_deep", False)]
     found = []
-    for measure, log_ratio in measures:
-        a, b = values(records, pre, measure), values(records, lns, measure)
+    for measure, log_ratio in claimed:
+        a, b = by_seed(records, pre, measure), by_seed(records, lns, measure)
         pairs = [(a[s], b[s]) for s in a if s in b and a[s] is not None and b[s] is not None]
         if len(pairs) != 1 or (log_ratio and min(pairs[0]) <= 0):
             found.append(None)
@@ -398,12 +323,13 @@ def precision_section(records, fp32: list[verdicts.Verdict], bf16: list[verdicts
         else:
             sign = "same" if (a.effect > 0) == (b_effect > 0) else "differs"
         rows.append(f"| {a.claim} | {effect_text(a)} | {b_text} | {sign} |")
-    cost = [loss_verdict(records, arm, f"{arm}_bf16", f"Pure bf16 raises {label}'s eval loss over {fp32_label}", +1)
+    cost = [loss_verdict(records, arm, f"{arm}_bf16", f"Pure bf16 raises {label}'s eval loss over {fp32_label}",
+                         arm_labels(arm, f"{arm}_bf16"), +1)
             for arm, label in (("pre", "Pre-LN"), ("lns", "LNS"))]
     cost_lines = []
     for v, arm in zip(cost, ("pre", "lns")):
         if v.effect is None:
-            a, b = values(records, arm, "eval_loss"), values(records, f"{arm}_bf16", "eval_loss")
+            a, b = by_seed(records, arm, "eval_loss"), by_seed(records, f"{arm}_bf16", "eval_loss")
             pairs = {s: b[s] - a[s] for s in b if a.get(s) is not None and b[s] is not None}
             if pairs:
                 cost_lines.append(f"- {v.claim}: " + ", ".join(f"seed {s}: {d:+.4f}" for s, d in pairs.items())
@@ -436,28 +362,18 @@ def budget_evidence(records) -> list[str]:
     return lines
 
 
-def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], started: float, argv) -> Path:
-    out = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    s = args.settings
-    labels = {a.name: a.label for a in arms}
-    present = {a.name for a in arms if any(r["arm"] == a.name for r in records.values())}
-    core = {n: labels[n] for n in ("pre", "lns", "pre_bf16", "lns_bf16") if n in present}
-    suffix = s.get("report_suffix", "")  # an extension sharing the default's folder keeps its own figures
-    figures = {}
-    if core:
-        figures["dynamics"] = engine.plot_dynamics(records, core, out / f"dynamics{suffix}.png")
-        figures["profiles"] = engine.plot_layer_profiles(records, core, out / f"layer_profiles{suffix}.png")
+def pair_sections(records, present: set[str], fp32_label: str) -> tuple[list[str], dict[str, list]]:
+    """The verdicts of Pre-LN against LNS in each precision that has both arms, as report sections, and by
+    precision; with both precisions, the section comparing them."""
     sections = []
     all_verdicts = {}
-    fp32_label = engine.DTYPE_LABELS[args.dtype]
     if {"pre", "lns"} <= present:
-        found = pair_verdicts(records, "pre", "lns")
+        found = pair_verdicts(records, "pre", "lns", arm_labels("pre", "lns"))
         all_verdicts[f"{fp32_label} (fp32 master weights)"] = found
         sections.append(f"### Pre-LN vs LNS, {fp32_label} (fp32 master weights)\n\n"
                         + verdict_lines(found))
     if {"pre_bf16", "lns_bf16"} <= present:
-        found = pair_verdicts(records, "pre_bf16", "lns_bf16")
+        found = pair_verdicts(records, "pre_bf16", "lns_bf16", arm_labels("pre_bf16", "lns_bf16"))
         all_verdicts["pure bf16 (the paper's setting)"] = found
         sections.append("### Pre-LN vs LNS, pure bf16 weights and Adam state (the paper's setting)\n\n"
                         + verdict_lines(found))
@@ -469,6 +385,54 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
                             f"({'every gain stayed exactly 1.0' if max(devs) == 0 else 'the gains moved'}).")
     if len(all_verdicts) == 2:
         sections.append(precision_section(records, *all_verdicts.values(), fp32_label))
+    return sections, all_verdicts
+
+
+def setup_section(args, records, fp32_label: str) -> str:
+    """The report's Set-up: the model, the data and budget, the training, the evaluation, the instruments, the speed
+    and the machine."""
+    s = args.settings
+    steps_info = runs.evenly_spaced_steps(s["steps"], s["dynamics_points"])
+    tokens = s["steps"] * s["batch_size"] * s["max_length"]
+    train_tokens = report.embedded_train_tokens()
+    epochs = tokens / train_tokens
+    speeds = [r["tokens_per_s_median"] for r in records.values() if r.get("tokens_per_s_median")]
+    config = json.loads((REPO / s["model_config"]).read_text())
+    return f"""## Set-up
+
+- **Model**: `{s['model_config']}`: {config['num_hidden_layers']} layers, hidden {config['hidden_size']},
+  intermediate {config['intermediate_size']}, {config['num_attention_heads']} heads, vocab {config['vocab_size']}.
+- **Data**: the embedded Jane Austen corpus (five novels to train, *Persuasion* held out), packed into windows of
+  {s['max_length']} tokens. {s['steps']} updates × {s['batch_size']} × {s['max_length']} = {tokens / 1e6:.2f} M tokens
+  per run = {epochs:.2f} epochs over the {train_tokens:,}-token training split.
+- **Training**: Adam, lr 1e-3, {s['warmup']} warmup steps then cosine to 10%, grad clipping 1.0, no weight decay;
+  {fp32_label}{' unless the arm says pure bf16' if 'precision' in s['groups'] else ''}. {study_dtype_reason(args.dtype)}
+  {seeds_sentence(s, fp32_label)}: a seed fixes the init and the data order, identical across arms.
+- **Evaluation**: token-weighted cross-entropy over {s['eval_tokens']:,} held-out tokens, every {steps_info[0]} steps.
+- **Instruments**, at steps {', '.join(map(str, steps_info))} for the Pre-LN and LNS arms and at the end for the
+  others, all inside the trained context of {s['max_length']} tokens: residual variance and angular distance over
+  {s['stream_tokens']:,} held-out tokens; block Jacobians at {s['jacobian_tokens']} held-out tokens
+  ({'exact' if not s['jacobian_probes'] else f"{s['jacobian_probes']} random probes per token, unbiased"}); removal of
+  each layer in turn (layer_remove.py --sweep, {s['removal_documents']} documents); the norm gains.
+- **Speed**: median {statistics.median(speeds) if speeds else float('nan'):,.0f} tokens/s per run
+  (one thread per run, {args.jobs} runs at a time, {'torch.compile' if args.compile else 'eager'}, {args.dtype}).
+{report.machine_lines(records)}
+"""
+
+
+def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], started: float, argv) -> Path:
+    specs = run_specs(args, arms)
+    frame = report.frame("utils/compare_norms.py", args, argv, started, records, skipped, len(specs))
+    out, s, suffix = frame.out, frame.settings, frame.suffix
+    labels = {a.name: a.label for a in arms}
+    present = {a.name for a in arms if any(r["arm"] == a.name for r in records.values())}
+    core = {n: labels[n] for n in ("pre", "lns", "pre_bf16", "lns_bf16") if n in present}
+    figures = {}
+    if core:
+        figures["dynamics"] = plots.plot_dynamics(records, core, out / f"dynamics{suffix}.png")
+        figures["profiles"] = plots.plot_layer_profiles(records, core, out / f"layer_profiles{suffix}.png")
+    fp32_label = cli.DTYPE_LABELS[args.dtype]
+    sections, all_verdicts = pair_sections(records, present, fp32_label)
     table_arms = [a for a in arms if a.name in present and a.group in ("core", "norms", "rivals", "recent")]
     table, per_arm, embedding_init = "", {}, {}
     if "pre" in present:
@@ -479,17 +443,12 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
                    for arm, against in per_arm_verdicts(records, table_arms).items()}
     if {"pre_embed_ref", "lns_embed_ref", "pre", "lns"} <= present:
         gap_ref = verdicts.judge_seeds("LNS reaches a lower eval loss than Pre-LN with the reference's embedding "
-                                       "std 0.632", -1, values(records, "pre_embed_ref", "eval_loss"),
-                                       values(records, "lns_embed_ref", "eval_loss"), ("Pre-LN", "LNS"))
+                                       "std 0.632", -1, by_seed(records, "pre_embed_ref", "eval_loss"),
+                                       by_seed(records, "lns_embed_ref", "eval_loss"), ("Pre-LN", "LNS"))
         sections.append("### Embedding init (std 0.02 against the uploaded reference code's 0.632)\n\n"
                         f"- {gap_ref.line()}\n- (with std 0.02, see the first verdict above)")
         embedding_init = {"embedding_init_std_0.632": gap_ref.as_dict()}
 
-    steps_info = engine.evenly_spaced_steps(s["steps"], s["dynamics_points"])
-    tokens = s["steps"] * s["batch_size"] * s["max_length"]
-    train_tokens = engine.embedded_train_tokens()
-    epochs = tokens / train_tokens
-    speeds = [r["tokens_per_s_median"] for r in records.values() if r.get("tokens_per_s_median")]
     train_minutes = sum(r["train_seconds"] for r in records.values()) / 60
     timed = [r for r in records.values() if r.get("analysis_seconds") is not None]
     analysis_minutes = sum(r["analysis_seconds"] for r in timed) / 60
@@ -499,11 +458,7 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
         group = ARM_BY_NAME[r["arm"]].group
         by_group[group] = by_group.get(group, 0.0) + (r["train_seconds"] + (r.get("analysis_seconds") or 0)) / 60
     group_minutes = ", ".join(f"{group} {minutes:.0f}" for group, minutes in by_group.items())
-    config = json.loads((REPO / s["model_config"]).read_text())
-    specs = run_specs(args, arms)
-    expected = len(specs)
-    reused = sum(r.get("reused") == "record" for r in records.values())
-    status = engine.run_status(records, expected, skipped)
+    status = frame.status
     unstarted = [arm for arm in budget_arms(args) if arm not in arms]
     if unstarted:  # a sitting with --arms: "complete" covers only the arms that have records
         unstarted_runs = len(run_specs(args, unstarted))
@@ -511,14 +466,13 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
         status += (f" The budget's {subject} no records yet "
                    f"({', '.join(arm.label for arm in unstarted)}; {unstarted_runs} runs): "
                    f"`--arms {' '.join(arm.name for arm in unstarted)}` trains them.")
-    rel = lambda p: Path(p).resolve().relative_to(out.resolve())  # noqa: E731
-    figure_lines = "\n\n".join(f"![{name}]({rel(path)})" for name, path in figures.items())
+    figure_lines = "\n\n".join(f"![{name}]({frame.rel(path)})" for name, path in figures.items())
     text = f"""# CPU-scale study: does the curse of depth appear, and does LNS lift it?
 
-{engine.generated_by('utils/compare_norms.py', argv, args)}{engine.sitting_clause(argv, started, reused)}
+{frame.opening}
 {status} The {len(records)} runs trained for {train_minutes:.0f} minutes and were analysed for
 {analysis_minutes:.0f} minutes ({len(timed)} runs timed), one thread each, {args.jobs} at a time: {run_minutes:.0f} run-minutes, by group
-{group_minutes}. {engine.wall_time_sentence(specs, records, args.jobs)}
+{group_minutes}. {report.wall_time_sentence(specs, records, args.jobs)}
 
 ## Verdicts
 
@@ -545,27 +499,7 @@ arm's loss is lower than the reference's with an interval that excludes zero, **
 
 {figure_lines}
 
-## Set-up
-
-- **Model**: `{s['model_config']}`: {config['num_hidden_layers']} layers, hidden {config['hidden_size']},
-  intermediate {config['intermediate_size']}, {config['num_attention_heads']} heads, vocab {config['vocab_size']}.
-- **Data**: the embedded Jane Austen corpus (five novels to train, *Persuasion* held out), packed into windows of
-  {s['max_length']} tokens. {s['steps']} updates × {s['batch_size']} × {s['max_length']} = {tokens / 1e6:.2f} M tokens
-  per run = {epochs:.2f} epochs over the {train_tokens:,}-token training split.
-- **Training**: Adam, lr 1e-3, {s['warmup']} warmup steps then cosine to 10%, grad clipping 1.0, no weight decay;
-  {fp32_label}{' unless the arm says pure bf16' if 'precision' in s['groups'] else ''}. {study_dtype_reason(args.dtype)}
-  {seeds_sentence(s, fp32_label)}: a seed fixes the init and the data order, identical across arms.
-- **Evaluation**: token-weighted cross-entropy over {s['eval_tokens']:,} held-out tokens, every {steps_info[0]} steps.
-- **Instruments**, at steps {', '.join(map(str, steps_info))} for the Pre-LN and LNS arms and at the end for the
-  others, all inside the trained context of {s['max_length']} tokens: residual variance and angular distance over
-  {s['stream_tokens']:,} held-out tokens; block Jacobians at {s['jacobian_tokens']} held-out tokens
-  ({'exact' if not s['jacobian_probes'] else f"{s['jacobian_probes']} random probes per token, unbiased"}); removal of
-  each layer in turn (layer_remove.py --sweep, {s['removal_documents']} documents); the norm gains.
-- **Speed**: median {statistics.median(speeds) if speeds else float('nan'):,.0f} tokens/s per run
-  (one thread per run, {args.jobs} runs at a time, {'torch.compile' if args.compile else 'eager'}, {args.dtype}).
-- **Machine** of the runs: {engine.records_machines(records)}. This text was written on
-  {engine.machine_description()}; {engine.software_versions()}.
-
+{setup_section(args, records, fp32_label)}
 ### Is the budget long enough, and not past overfitting?
 
 The step at which each run's eval loss was lowest, against its last eval step (a run whose lowest eval loss is at
@@ -582,7 +516,7 @@ Raw numbers: one JSON record per run in `runs/` (flags, eval curve, every analys
                    runs=sorted(records), missing=[spec.name for spec in skipped],
                    arms_without_records=[arm.name for arm in unstarted],
                    **({"per_arm_eval_loss": per_arm} if per_arm else {}), **embedding_init)
-    return engine.write_report_files(out, text, summary, suffix)
+    return report.write_report_files(out, text, summary, suffix)
 
 
 def main(argv=None) -> int:
@@ -591,7 +525,7 @@ def main(argv=None) -> int:
     started = time.time()
     arms = study_arms(args)
     specs = run_specs(args, arms)
-    records, skipped = engine.collect_records(args, specs)
+    records, skipped = runs.collect_records(args, specs)
     if args.arms:
         arms, records, skipped = with_saved_arms(args, arms, records, skipped)
     report = write_report(args, arms, records, skipped, started, argv)

@@ -45,7 +45,8 @@ from peft_pretraining.cli import OneLineErrorParser
 from utils import model_io
 from utils.angular_analysis import AngularDistanceAccumulator
 from utils.jacobian_analysis import jacobian_summary
-from utils.study.engine import CHEAP_REMOVAL_NATS, cpu_model_name
+from utils.study.host import cpu_model_name
+from utils.study.measures import CHEAP_REMOVAL_NATS
 from utils.variance_analysis import StreamStatistics
 
 # GPU defaults: the paper's 262,144 tokens for the stream measures and the Jacobian tool's 128 tokens; the removal

@@ -10,7 +10,7 @@
     python utils/depth_sweep.py --report_only    # rewrite the report from the saved records
 
 Every depth uses the same width, data, tokens, schedule and seeds; only the number of layers changes. Each run is
-trained, then measured at three points through training with the repository's tools (utils/study/engine.py). For each
+trained, then measured at three points through training with the repository's tools (utils/study/). For each
 of the paper's depth predictions the report gives a verdict: the per-seed slope of the measure against ln L, with a
 95% interval over seeds. Finished runs leave records in `<out>/runs/`, reused by later invocations.
 
@@ -34,18 +34,24 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
-from utils.study import engine, verdicts  # noqa: E402
-from utils.study.engine import RunSpec  # noqa: E402
+from utils.study import cli, measures, plots, report, runs, verdicts  # noqa: E402
+from utils.study.runs import RunSpec  # noqa: E402
+from utils.study.sweep import (  # noqa: E402
+    BASE_CONFIG,
+    NORMS,
+    RIVAL_NORMS,
+    Axis,
+    measure_by_value,
+    measures_table,
+    paired_differences,
+    plot_against,
+    plot_gap,
+    slope_by_seed,
+    slope_verdict,
+    train_flags,
+    write_config,
+)
 
-NORMS = {"pre": "Pre-LN", "lns": "LNS"}
-# Fixes published since the paper (issue 39), trained at a budget's rival_depths only (`--budget rivals`)
-RIVAL_NORMS = {"gpas": "GPAS", "bhyt": "BHyT"}
-NORM_LABELS = {**NORMS, **RIVAL_NORMS}
-# Hidden 64 (head dim 16) keeps a 48-layer run near 20 minutes with its analyses on one core; 128 would make every
-# run about four times dearer. Measured per run (train + analyses, two runs side by side; mean of the records in
-# docs/depth_sweep/runs): L=6 4.5, L=12 6.5, L=24 9.2, L=48 16.5 run-minutes, so L=96 takes about 35: the four
-# depths of the default fit in 2 hours on 2 cores, and L=96 is the `deep` extension, which shares the default's records.
-BASE_CONFIG = "configs/llama_tiny.json"
 # 16 x 128-token updates of the Wikipedia budgets: one pass, below SINGLE_PASS_UPDATES at every seed, and a multiple
 # of 1,500 so that the analyses (thirds) fall on the 500-update saves and evals.
 WIKIPEDIA_STEPS = 10_500
@@ -92,7 +98,7 @@ COMPARATIVE = {"variance_growth": -1, "angular_deep": +1, "jacobian_deep": +1, "
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    engine.add_study_arguments(parser, BUDGETS)
+    cli.add_study_arguments(parser, BUDGETS)
     parser.add_argument("--depths", nargs="+", type=int, default=None, help="override the budget's depths")
     parser.add_argument("--overfit_probe", action="store_true",
                         help="also train the overfitting probe (one long LNS run at the deepest depth; about 80 "
@@ -102,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None):
     parser = build_parser()
-    args = engine.parse_study_args(parser, argv, BUDGETS, ("depths", "seeds"))
+    args = cli.parse_study_args(parser, argv, BUDGETS, ("depths", "seeds"))
     if any(d < 2 for d in args.settings["depths"]):
         parser.error(f"--depths: every depth must be at least 2, got {args.settings['depths']}")
     if len(set(args.settings["depths"])) < 2:
@@ -110,36 +116,8 @@ def parse_args(argv=None):
     return args
 
 
-@dataclasses.dataclass(frozen=True)
-class Axis:
-    """What a sweep varies (depth here, width in utils/width_sweep.py): its values, and how runs and reports name
-    them. The run of a norm type at one value is the arm f"{prefix}{value}-{norm}"."""
-
-    prefix: str  # "L": arms L6-pre, L48-lns
-    symbol: str  # the verdicts' slopes are against ln(symbol)
-    label: str  # the plots' axis label
-    noun: str  # "depth"
-    values: tuple[int, ...]
-
-    def arm(self, value: int, norm: str) -> str:
-        return f"{self.prefix}{value}-{norm}"
-
-
 def depth_axis(args) -> Axis:
     return Axis("L", "L", "layers L", "depth", tuple(args.settings["depths"]))
-
-
-def write_config(args, name: str, **changes) -> str:
-    """The base config with `changes`, written as `name` under the runs folder; returned relative to the
-    repository when possible, so that records made on another machine still match."""
-    config = {**json.loads((REPO / BASE_CONFIG).read_text()), **changes}
-    path = args.runs_dir / "configs" / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(config, indent=2) + "\n")
-    try:
-        return str(path.resolve().relative_to(REPO))
-    except ValueError:
-        return str(path)
 
 
 def depth_config(args, depth: int) -> str:
@@ -149,29 +127,15 @@ def depth_config(args, depth: int) -> str:
     return write_config(args, f"llama_h{hidden}_L{depth}.json", num_hidden_layers=depth, **vocab)
 
 
-def train_flags(args, depth: int, steps: int, warmup: int, eval_every: int, config: str | None = None
-                ) -> tuple[str, ...]:
-    """The trainer's flags of a sweep run: `config` (default: the base config at `depth` layers) trained with the
-    budget's data, batch and schedule on the study's --device."""
-    s = args.settings
-    config = config or depth_config(args, depth)
-    return ("--model_config", config, *engine.dataset_flags(s),
-            "--packing", "--max_length", str(s["max_length"]), "--batch_size", str(s["batch_size"]),
-            "--total_batch_size", str(s["batch_size"]), "--lr", s.get("lr", "1e-3"), "--warmup_steps", str(warmup),
-            "--num_training_steps", str(steps), "--eval_every", str(eval_every), "--eval_tokens",
-            str(s["eval_tokens"]), "--grad_clipping", "1.0", "--weight_decay", "0", "--optimizer", "adam",
-            "--workers", "0", "--device", args.device, "--dtype", "float32")
-
-
 def run_specs(args) -> list[RunSpec]:
     s = args.settings
-    dynamics = engine.evenly_spaced_steps(s["steps"], s["dynamics_points"])
+    dynamics = runs.evenly_spaced_steps(s["steps"], s["dynamics_points"])
     rival_depths = [depth for depth in s.get("rival_depths", ()) if depth in s["depths"]]
     specs = []
     for norms, depths in ((NORMS, s["depths"]), (s.get("rival_norms", ()), rival_depths)):  # Pre-LN and LNS first
         for seed in s["seeds"]:
             for depth in sorted(depths, key=lambda d: d not in s.get("first_depths", ())):  # stable: the rest after
-                base = train_flags(args, depth, s["steps"], s["warmup"], s.get("eval_every", dynamics[0]))
+                base = train_flags(args, depth_config(args, depth), s["steps"], s["warmup"], s.get("eval_every", dynamics[0]))
                 for norm in norms:
                     specs.append(RunSpec(f"L{depth}-{norm}", seed, (*base, "--norm_type", norm), dynamics,
                                          save_every=s.get("save_every")))
@@ -184,7 +148,7 @@ def probe_spec(args) -> RunSpec:
     (keeping the last two), so an interrupted probe resumes."""
     s = args.settings
     depth = max(s["depths"])
-    flags = (*train_flags(args, depth, s["probe_steps"], s["probe_warmup"], s["probe_eval_every"]),
+    flags = (*train_flags(args, depth_config(args, depth), s["probe_steps"], s["probe_warmup"], s["probe_eval_every"]),
              "--keep_last", "2", "--norm_type", s["probe_norm"])
     return RunSpec(f"overfit-L{depth}-{s['probe_norm']}", s["probe_seed"], flags, (), save_every=s["probe_eval_every"])
 
@@ -193,9 +157,9 @@ def collect_probe(args) -> dict | None:
     """The probe's record: trained with --overfit_probe (unless --report_only), otherwise read back if present."""
     spec = probe_spec(args)
     if args.overfit_probe:  # collect_records only reads records back under --report_only
-        records, _ = engine.collect_records(args, [spec])
+        records, _ = runs.collect_records(args, [spec])
     else:
-        records = engine.saved_records(args, [spec])
+        records = runs.saved_records(args, [spec])
     return records.get(spec.name)
 
 
@@ -226,27 +190,6 @@ def train_loss_between_evals(probe: dict) -> list[float | None]:
 
 
 # ------------------------------------------------------------------------------------------------------ statistics
-def measure_by_value(axis: Axis, records, norm: str, measure: str) -> dict[int, dict[int, float | None]]:
-    """{value: {seed: value of the measure}} at each run's last analysed checkpoint."""
-    return {v: engine.by_seed(records, axis.arm(v, norm), measure) for v in axis.values}
-
-
-def slope_by_seed(table: dict[int, dict[int, float | None]], log_values: bool) -> dict[int, float | None]:
-    """Per seed, the least-squares slope of the measure (or its log) against ln of the swept value (ln L), over
-    the values it has."""
-    seeds = sorted({seed for per_seed in table.values() for seed in per_seed})
-    slopes = {}
-    for seed in seeds:
-        points = [(math.log(depth), per_seed.get(seed)) for depth, per_seed in table.items()]
-        points = [(x, math.log(y) if log_values else y) for x, y in points
-                  if y is not None and (not log_values or y > 0)]
-        slopes[seed] = float(np.polyfit(*zip(*points), 1)[0]) if len({x for x, _ in points}) >= 2 else None
-    return slopes
-
-
-def slope_verdict(claim: str, direction: int, slopes: dict[int, float | None]) -> verdicts.Verdict:
-    """The per-seed slopes against zero: a one-sample t interval over seeds (judge_seeds against a zero arm)."""
-    return verdicts.judge_seeds(claim, direction, {seed: 0.0 for seed in slopes}, slopes, ("zero", "slope"))
 
 
 def measure_slope_verdicts(axis: Axis, records, predictions) -> list[verdicts.Verdict]:
@@ -257,23 +200,11 @@ def measure_slope_verdicts(axis: Axis, records, predictions) -> list[verdicts.Ve
             for claim, norm, measure, direction, log_values in predictions]
 
 
-def paired_differences(axis: Axis, records, measure: str, log_ratio: bool = False) -> dict[int, dict[int, float]]:
-    """{value: {seed: LNS − Pre-LN}} (or ln(LNS / Pre-LN)) of a measure, for the seeds where both runs have it."""
-    table = {}
-    for value in axis.values:
-        pre = engine.by_seed(records, axis.arm(value, "pre"), measure)
-        lns = engine.by_seed(records, axis.arm(value, "lns"), measure)
-        table[value] = {seed: (math.log(lns[seed] / pre[seed]) if log_ratio else lns[seed] - pre[seed])
-                        for seed in pre if pre[seed] is not None and lns.get(seed) is not None
-                        and (not log_ratio or min(pre[seed], lns[seed]) > 0)}
-    return table
-
-
 def measured_for(axis: Axis, records, norm: str) -> dict[str, str]:
     """The measures that a norm type's own runs took: block influence only in records analysed since it was added,
     so a prediction about Pre-LN is left out while only the rivals' records have it."""
     arms = {axis.arm(value, norm) for value in axis.values}
-    return engine.measures_in({name: r for name, r in records.items() if r.get("arm") in arms})
+    return measures.measures_in({name: r for name, r in records.items() if r.get("arm") in arms})
 
 
 def measured_predictions(axis: Axis, records) -> list[tuple]:
@@ -302,12 +233,12 @@ def lns_own_slopes(axis: Axis, records) -> dict[str, verdicts.Verdict]:
 def prediction_lines(axis: Axis, records, predictions: list[verdicts.Verdict], own: dict) -> str:
     """The Pre-LN verdicts (depth_verdicts, in measured_predictions' order, then the loss gap's), each with LNS's
     own slope of the same measure under it."""
-    measures = [measure for _, _, measure, _, _ in measured_predictions(axis, records)]
+    predicted = [measure for _, _, measure, _, _ in measured_predictions(axis, records)]
     lines = []
     for index, verdict in enumerate(predictions):
         lines.append("- " + verdict.line())
-        if index < len(measures) and measures[index] in own:
-            lines.append("  - " + own[measures[index]].line())
+        if index < len(predicted) and predicted[index] in own:
+            lines.append("  - " + own[predicted[index]].line())
     return "\n".join(lines)
 
 
@@ -354,7 +285,7 @@ def comparative_verdicts(axis: Axis, records) -> list[Comparison]:
     for measure, direction in COMPARATIVE.items():
         if measure not in pre and measure not in lns:
             continue
-        name = engine.MEASURES[measure]
+        name = measures.MEASURES[measure]
         gap_claim = f"LNS − Pre-LN in {name}: slope vs ln {axis.symbol}"
         ratio_claim = f"ln(LNS / Pre-LN) in {name}: slope vs ln {axis.symbol}"
         if measure not in pre or measure not in lns:
@@ -376,12 +307,12 @@ def comparative_section(comparisons: list[Comparison]) -> str:
     rows = ["| measure | slope of the gap LNS − Pre-LN | slope of ln(LNS / Pre-LN) | which reading |",
             "|---|---|---|---|"]
     for c in comparisons:
-        cells = [engine.MEASURES[c.measure]]
+        cells = [measures.MEASURES[c.measure]]
         for v in (c.gap, c.ratio):
             cells.append(v.status if v.effect is None else
                          f"{v.effect:+.4g} [{v.low:+.4g}, {v.high:+.4g}], {v.n_agree}/{v.n_pairs} seeds: {v.status}")
         rows.append("| " + " | ".join([*cells, c.reading()]) + " |")
-    notes = [f"- {engine.MEASURES[c.measure]}: {c.gap.reason}" for c in comparisons if c.gap.effect is None]
+    notes = [f"- {measures.MEASURES[c.measure]}: {c.gap.reason}" for c in comparisons if c.gap.effect is None]
     return "\n".join(rows + ([""] + notes if notes else []))
 
 
@@ -403,7 +334,7 @@ def regime(axis: Axis, records) -> tuple[str, dict]:
     for norm, label in NORMS.items():
         cells, means = [label], {}
         for value in axis.values:
-            vals = [v for v in engine.by_seed(records, axis.arm(value, norm), "eval_loss").values() if v is not None]
+            vals = [v for v in measures.by_seed(records, axis.arm(value, norm), "eval_loss").values() if v is not None]
             if len(vals) >= 2:
                 mean, low, high = verdicts.paired_t_interval(vals)
                 cells.append(f"{mean:.3f} [{low:.3f}, {high:.3f}]")
@@ -435,8 +366,8 @@ def regime(axis: Axis, records) -> tuple[str, dict]:
 
 def gap_verdicts(axis: Axis, records) -> list[verdicts.Verdict]:
     return [verdicts.judge_seeds(f"{axis.symbol}={value}: LNS reaches a lower eval loss than Pre-LN (LNS − Pre-LN)",
-                                 -1, engine.by_seed(records, axis.arm(value, "pre"), "eval_loss"),
-                                 engine.by_seed(records, axis.arm(value, "lns"), "eval_loss"), ("Pre-LN", "LNS"))
+                                 -1, measures.by_seed(records, axis.arm(value, "pre"), "eval_loss"),
+                                 measures.by_seed(records, axis.arm(value, "lns"), "eval_loss"), ("Pre-LN", "LNS"))
             for value in axis.values]
 
 
@@ -451,17 +382,17 @@ def rival_verdicts(args, records) -> list[verdicts.Verdict]:
             for baseline in ("pre", "lns"):
                 found.append(verdicts.judge_seeds(
                     f"L={depth}: {label} reaches a lower eval loss than {NORMS[baseline]} "
-                    f"({label} − {NORMS[baseline]})", -1, engine.by_seed(records, axis.arm(depth, baseline), "eval_loss"),
-                    engine.by_seed(records, rival, "eval_loss"), (NORMS[baseline], label)))
+                    f"({label} − {NORMS[baseline]})", -1, measures.by_seed(records, axis.arm(depth, baseline), "eval_loss"),
+                    measures.by_seed(records, rival, "eval_loss"), (NORMS[baseline], label)))
             found.append(verdicts.judge_seeds(
                 f"L={depth}: {label}'s deep blocks stay farther from the identity than Pre-LN's ({label} − Pre-LN "
-                "deep ‖J − I‖/√d)", +1, engine.by_seed(records, axis.arm(depth, "pre"), "jacobian_deep"),
-                engine.by_seed(records, rival, "jacobian_deep"), ("Pre-LN", label)))
+                "deep ‖J − I‖/√d)", +1, measures.by_seed(records, axis.arm(depth, "pre"), "jacobian_deep"),
+                measures.by_seed(records, rival, "jacobian_deep"), ("Pre-LN", label)))
             for baseline in ("pre", "lns"):  # each fix claims to keep the stream's variance in check
                 found.append(verdicts.judge_seeds(
                     f"L={depth}: {label} holds the variance growth below {NORMS[baseline]}'s (log ratio)", -1,
-                    engine.by_seed(records, axis.arm(depth, baseline), "variance_growth"),
-                    engine.by_seed(records, rival, "variance_growth"), (NORMS[baseline], label), log_ratio=True))
+                    measures.by_seed(records, axis.arm(depth, baseline), "variance_growth"),
+                    measures.by_seed(records, rival, "variance_growth"), (NORMS[baseline], label), log_ratio=True))
     depths = [d for d in s.get("rival_depths", ()) if d in s["depths"]]
     for norm in s.get("rival_norms", ()) if len(depths) >= 2 else ():
         label = RIVAL_NORMS[norm]
@@ -474,8 +405,8 @@ def rival_verdicts(args, records) -> list[verdicts.Verdict]:
 
 def gap_to_lns(axis: Axis, records, depth: int, norm: str) -> dict[int, float]:
     """{seed: eval loss of `norm` − LNS's} at one depth, for the seeds where both runs finished."""
-    lns = engine.by_seed(records, axis.arm(depth, "lns"), "eval_loss")
-    return {seed: loss - lns[seed] for seed, loss in engine.by_seed(records, axis.arm(depth, norm), "eval_loss").items()
+    lns = measures.by_seed(records, axis.arm(depth, "lns"), "eval_loss")
+    return {seed: loss - lns[seed] for seed, loss in measures.by_seed(records, axis.arm(depth, norm), "eval_loss").items()
             if loss is not None and lns.get(seed) is not None}
 
 
@@ -489,62 +420,10 @@ def rivals_section(rivals: list[verdicts.Verdict], args) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ plots
-def plot_against(axis: Axis, records, path: Path) -> Path:
-    """Every measure at the last checkpoint against the swept value, one line per norm type."""
-    plt = engine.pyplot()
-    depths = axis.values
-    measures = list(engine.measures_in(records))
-    fig, axes = plt.subplots(2, math.ceil(len(measures) / 2), figsize=(4.4 * math.ceil(len(measures) / 2), 7),
-                             squeeze=False)
-    for ax, measure in zip(axes.flat, measures):
-        for norm, label in NORM_LABELS.items():
-            table = measure_by_value(axis, records, norm, measure)
-            xs, means, errors = [], [], []
-            for depth in depths:
-                vals = [v for v in table[depth].values() if v is not None]
-                if vals:
-                    xs.append(depth)
-                    means.append(np.mean(vals))
-                    errors.append(verdicts.paired_t_interval(vals)[2] - np.mean(vals) if len(vals) > 1 else 0.0)
-            if xs:
-                ax.errorbar(xs, means, yerr=errors, marker="o", markersize=4, capsize=3, label=label)
-        ax.set_xscale("log", base=2)
-        if measure == "variance_growth":
-            ax.set_yscale("log")  # Pre-LN's growth spans orders of magnitude across depths
-        ax.set_xticks(depths, [str(d) for d in depths])
-        ax.set_title(engine.MEASURES[measure] + (" (log scale)" if measure == "variance_growth" else ""),
-                     fontsize=9)
-        ax.set_xlabel(axis.label)
-        ax.grid(alpha=0.3)
-    return engine.finish_grid(fig, axes, len(measures),
-                                 f"Final checkpoint against {axis.noun} (mean over seeds, 95% t-interval)", path)
-
-
-def plot_gap(gaps: list[verdicts.Verdict], depths, path: Path, xlabel: str = "layers L", noun: str = "depth",
-             ylabel: str = "LNS − Pre-LN eval loss (nats)",
-             title: str = "LNS's loss gap against {noun} (below 0: LNS better)") -> Path:
-    """One verdict per swept value (its effect and interval) against the value."""
-    plt = engine.pyplot()
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    points = [(d, v) for d, v in zip(depths, gaps) if v.effect is not None]  # a depth with < 2 pairs has no interval
-    if points:
-        xs = [d for d, _ in points]
-        ax.errorbar(xs, [v.effect for _, v in points],
-                    yerr=[[v.effect - v.low for _, v in points], [v.high - v.effect for _, v in points]],
-                    marker="o", capsize=3)
-    ax.axhline(0, color="black", linewidth=0.7)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(list(depths), [str(d) for d in depths])
-    ax.set(xlabel=xlabel, ylabel=ylabel, title=title.format(noun=noun))
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=140)
-    plt.close(fig)
-    return path
 
 
 def plot_probe(probe: dict, budget_steps: int, path: Path) -> Path:
-    plt = engine.pyplot()
+    plt = plots.pyplot()
     point = overfit_point(probe)
     fig, ax = plt.subplots(figsize=(6, 3.8))
     train = np.array(probe["train_curve"], dtype=float)
@@ -566,7 +445,7 @@ def plot_probe(probe: dict, budget_steps: int, path: Path) -> Path:
 
 def budget_reason(s: dict) -> str:
     """The report's sentences on why the budget is what it is, for the embedded corpus or a single pass."""
-    if s.get("dataset", engine.DEFAULT_DATASET) != engine.DEFAULT_DATASET:
+    if s.get("dataset", runs.DEFAULT_DATASET) != runs.DEFAULT_DATASET:
         return ("At most one pass over the training split: the budget stays below the update at which the reader "
                 "first repeats an article, so no run sees a training token twice (docs/data.md).")
     return ("The budget was chosen for time (four depths, three seeds). A run whose lowest eval loss is at its last eval\n"
@@ -579,7 +458,7 @@ def probe_section(args, probe: dict | None, out: Path, suffix: str) -> tuple[str
     """The report's paragraph on the overfitting point, and its summary entry."""
     s = args.settings
     spec = probe_spec(args)
-    if probe is None and s.get("dataset", engine.DEFAULT_DATASET) != engine.DEFAULT_DATASET:
+    if probe is None and s.get("dataset", runs.DEFAULT_DATASET) != runs.DEFAULT_DATASET:
         return ("Not needed: the runs see each training token at most once (the budget stays below one pass), so "
                 "they cannot overfit by repetition.", None)
     if probe is None:
@@ -598,7 +477,7 @@ def probe_section(args, probe: dict | None, out: Path, suffix: str) -> tuple[str
              + "\n| train loss, mean since the eval before | "
              + " | ".join("n/a" if t is None else f"{t:.3f}" for t in train) + " |")
     tokens_to_best = point["best_step"] * s["batch_size"] * s["max_length"]
-    tokens, epochs = tokens_to_best / 1e6, tokens_to_best / engine.train_split_tokens(s)
+    tokens, epochs = tokens_to_best / 1e6, tokens_to_best / report.train_split_tokens(s)
     if point["overfits"]:
         found = (f"The eval loss is lowest at step **{point['best_step']:,}** ({point['best_loss']:.3f} nats, "
                  f"{tokens:.1f} M tokens, {epochs:.1f} epochs) and rises by {point['rise_after_best']:.3f} nats "
@@ -633,32 +512,40 @@ loss turning up is the overfitting point itself.
 
 
 # ------------------------------------------------------------------------------------------------------ report
-def measures_table(axis: Axis, records) -> str:
-    """Markdown: per swept value and norm type, the mean over seeds of every measure, and each run's best step."""
-    shown = engine.measures_in(records)
-    rows = []
-    for value in axis.values:
-        for norm, label in NORM_LABELS.items():
-            arm_records = [r for r in records.values() if r["arm"] == axis.arm(value, norm)]
-            if not arm_records:
-                continue
-            cells = [str(value), label, f"{len(arm_records)}"]
-            for measure in shown:
-                vals = [v for v in engine.by_seed(records, axis.arm(value, norm), measure).values()
-                        if v is not None]
-                cells.append(f"{np.mean(vals):.4f}" if vals else "n/a")
-            best = [min(r["eval_curve"], key=lambda p: p[1])[0] for r in arm_records if r["eval_curve"]]
-            cells.append(", ".join(map(str, best)))
-            rows.append("| " + " | ".join(cells) + " |")
-    header = (f"| {axis.symbol} | norm | runs | " + " | ".join(shown.values())
-              + " | step of lowest eval loss |\n|" + "---|" * (len(shown) + 4))
-    return "\n".join([header, *rows])
+
+
+def setup_section(args, records, probe: dict | None) -> str:
+    """The report's Set-up: the models, the budget and why, the instruments, the seeds, the speed and the machine."""
+    s = args.settings
+    depths = s["depths"]
+    tokens = s["steps"] * s["batch_size"] * s["max_length"]
+    train_tokens = report.train_split_tokens(s)
+    speeds = {d: [r["tokens_per_s_median"] for r in records.values()
+                  if r["arm"].startswith(f"L{d}-") and r.get("tokens_per_s_median")] for d in depths}
+    config = json.loads((REPO / depth_config(args, depths[0])).read_text())  # the base with the budget's vocabulary
+    return f"""## Set-up
+
+- **Models**: `{BASE_CONFIG}` (hidden {config['hidden_size']}, intermediate {config['intermediate_size']},
+  {config['num_attention_heads']} heads, vocab {config['vocab_size']}) with L layers; nothing else changes with L.
+- **Budget**: {s['steps']} updates × {s['batch_size']} × {s['max_length']} packed tokens = {tokens / 1e6:.2f} M tokens per
+  run at every depth, {tokens / train_tokens:.2f} epochs over the {train_tokens:,}-token training split; Adam, lr {s['lr']},
+  {s['warmup']} warmup steps then cosine to 10%, clipping 1.0, {cli.DTYPE_LABELS[args.dtype]} (`--dtype {args.dtype}`, see docs/study.md).
+  {budget_reason(s)}
+- **Instruments** at steps {', '.join(map(str, runs.evenly_spaced_steps(s['steps'], s['dynamics_points'])))}, inside
+  the trained context of {s['max_length']} tokens: variance and angular distance over {s['stream_tokens']:,} held-out
+  tokens, block Jacobians at {s['jacobian_tokens']} tokens ({'exact' if not s['jacobian_probes'] else
+  f"{s['jacobian_probes']} random probes per token"}), one-layer removal on {s['removal_documents']}
+  held-out documents.
+- **Seeds**: {', '.join(map(str, s['seeds']))}, paired across norm types and depths.
+- **Speed** (median tokens/s per run, one thread, {'torch.compile' if args.compile else 'eager'}, {args.dtype}): {', '.join(f"L={d}: {np.median(v):,.0f}" for d, v in speeds.items() if v)}.
+{report.machine_lines({**records, "probe": probe} if probe else records)}
+"""
 
 
 def write_report(args, records, skipped, started, argv, probe: dict | None = None) -> Path:
-    out = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    s = args.settings
+    specs = run_specs(args)
+    frame = report.frame("utils/depth_sweep.py", args, argv, started, records, skipped, len(specs))
+    out, s, suffix = frame.out, frame.settings, frame.suffix
     depths = s["depths"]
     predictions = depth_verdicts(args, records)
     axis = depth_axis(args)
@@ -667,30 +554,18 @@ def write_report(args, records, skipped, started, argv, probe: dict | None = Non
     regime_text, regime_summary = regime(axis, records)
     gaps = gap_verdicts(axis, records)
     rivals = rival_verdicts(args, records)
-    suffix = s.get("report_suffix", "")  # an extension sharing the default's folder keeps its own files
     probe_text, probe_summary = probe_section(args, probe, out, suffix)
     by_depth_png = plot_against(axis, records, out / f"measures_vs_depth{suffix}.png")
     gap_png = plot_gap(gaps, depths, out / f"loss_gap_vs_depth{suffix}.png")
     dynamics = {}
     for depth in (depths[0], depths[-1]):
         arms = {f"L{depth}-{n}": f"{label}, L={depth}" for n, label in NORMS.items()}
-        dynamics[depth] = engine.plot_dynamics(records, arms, out / f"dynamics_L{depth}{suffix}.png")
-
-    tokens = s["steps"] * s["batch_size"] * s["max_length"]
-    train_tokens = engine.train_split_tokens(s)
-    specs = run_specs(args)
-    status = engine.run_status(records, len(specs), skipped)
-    reused = sum(r.get("reused") == "record" for r in records.values())
-    machines = engine.records_machines({**records, "probe": probe} if probe else records)
-    speeds = {d: [r["tokens_per_s_median"] for r in records.values()
-                  if r["arm"].startswith(f"L{d}-") and r.get("tokens_per_s_median")] for d in depths}
-    config = json.loads((REPO / depth_config(args, depths[0])).read_text())  # the base with the budget's vocabulary
-    rel = lambda p: Path(p).resolve().relative_to(out.resolve())  # noqa: E731
+        dynamics[depth] = plots.plot_dynamics(records, arms, out / f"dynamics_L{depth}{suffix}.png")
     text = f"""# Depth sweep: Pre-LN against LNS at L = {', '.join(map(str, depths))}
 
-{engine.generated_by('utils/depth_sweep.py', argv, args)}{engine.sitting_clause(argv, started, reused)}
-{status} The runs trained for {sum(r['train_seconds'] for r in records.values()) / 60:.0f} minutes in total.
-{engine.wall_time_sentence(specs, records, args.jobs)}
+{frame.opening}
+{frame.status} The runs trained for {sum(r['train_seconds'] for r in records.values()) / 60:.0f} minutes in total.
+{report.wall_time_sentence(specs, records, args.jobs)}
 
 ## The regime: does depth pay?
 
@@ -720,15 +595,15 @@ when LNS's own slope goes the same way: the comparative verdicts above are.
 
 {chr(10).join('- ' + v.line() for v in gaps)}
 
-![loss gap]({rel(gap_png)})
+![loss gap]({frame.rel(gap_png)})
 {rivals_section(rivals, args)}
 ## Every measure against depth (last checkpoint)
 
-![measures against depth]({rel(by_depth_png)})
+![measures against depth]({frame.rel(by_depth_png)})
 
 {measures_table(axis, records)}
 
-"Cheap to remove": removing the layer raises held-out perplexity by less than 1% (ln ratio < {engine.CHEAP_REMOVAL_NATS:.5f}).
+"Cheap to remove": removing the layer raises held-out perplexity by less than 1% (ln ratio < {measures.CHEAP_REMOVAL_NATS:.5f}).
 Deep = the deeper half of the layers.
 
 ## Where the corpus overfits at the deepest setting
@@ -737,26 +612,9 @@ Deep = the deeper half of the layers.
 
 ## Dynamics at the shallowest and the deepest setting
 
-{chr(10).join(f'![dynamics L={d}]({rel(p)})' for d, p in dynamics.items())}
+{chr(10).join(f'![dynamics L={d}]({frame.rel(p)})' for d, p in dynamics.items())}
 
-## Set-up
-
-- **Models**: `{BASE_CONFIG}` (hidden {config['hidden_size']}, intermediate {config['intermediate_size']},
-  {config['num_attention_heads']} heads, vocab {config['vocab_size']}) with L layers; nothing else changes with L.
-- **Budget**: {s['steps']} updates × {s['batch_size']} × {s['max_length']} packed tokens = {tokens / 1e6:.2f} M tokens per
-  run at every depth, {tokens / train_tokens:.2f} epochs over the {train_tokens:,}-token training split; Adam, lr {s['lr']},
-  {s['warmup']} warmup steps then cosine to 10%, clipping 1.0, {engine.DTYPE_LABELS[args.dtype]} (`--dtype {args.dtype}`, see docs/study.md).
-  {budget_reason(s)}
-- **Instruments** at steps {', '.join(map(str, engine.evenly_spaced_steps(s['steps'], s['dynamics_points'])))}, inside
-  the trained context of {s['max_length']} tokens: variance and angular distance over {s['stream_tokens']:,} held-out
-  tokens, block Jacobians at {s['jacobian_tokens']} tokens ({'exact' if not s['jacobian_probes'] else
-  f"{s['jacobian_probes']} random probes per token"}), one-layer removal on {s['removal_documents']}
-  held-out documents.
-- **Seeds**: {', '.join(map(str, s['seeds']))}, paired across norm types and depths.
-- **Speed** (median tokens/s per run, one thread, {'torch.compile' if args.compile else 'eager'}, {args.dtype}): {', '.join(f"L={d}: {np.median(v):,.0f}" for d, v in speeds.items() if v)}.
-- **Machine** of the runs: {machines}. This text was written on
-  {engine.machine_description()}; {engine.software_versions()}.
-
+{setup_section(args, records, probe)}
 Raw numbers: one JSON record per run in `runs/`, and `summary{suffix}.json`.
 """
     summary = dict(budget=args.budget, settings=s, regime=regime_summary,
@@ -765,14 +623,14 @@ Raw numbers: one JSON record per run in `runs/`, and `summary{suffix}.json`.
                    predictions=[v.as_dict() for v in predictions],
                    gaps=[v.as_dict() for v in gaps], overfit_probe=probe_summary, runs=sorted(records),
                    missing=[spec.name for spec in skipped], **({"rivals": [v.as_dict() for v in rivals]} if rivals else {}))
-    return engine.write_report_files(out, text, summary, suffix)
+    return report.write_report_files(out, text, summary, suffix)
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     started = time.time()
-    records, skipped = engine.collect_records(args, run_specs(args))
+    records, skipped = runs.collect_records(args, run_specs(args))
     probe = collect_probe(args)
     report = write_report(args, records, skipped, started, argv, probe)
     print(f"report: {report}")

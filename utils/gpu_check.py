@@ -269,17 +269,17 @@ def stage_width_sweep_plan(check: Check):
     """What the width sweep's GPU call has left: runs without a committed record, the disk the largest writes, and
     the jobs that the disk lets run at once (each run's seconds where a GPU record has them)."""
     from utils import width_sweep
-    from utils.study import engine
+    from utils.study import report, runs
 
     start = time.perf_counter()
     args = width_sweep.parse_args([*WIDTH_SWEEP, "--report_only"])  # --report_only: reads records, needs no GPU
-    specs = engine.as_trained(args, width_sweep.run_specs(args))
-    records = engine.saved_records(args, width_sweep.run_specs(args))
+    specs = runs.as_trained(args, width_sweep.run_specs(args))
+    records = runs.saved_records(args, width_sweep.run_specs(args))
     left = [spec for spec in specs if spec.name not in records]
-    largest = max(engine.checkpoint_bytes(spec) for spec in left or specs)
+    largest = max(runs.checkpoint_bytes(spec) for spec in left or specs)
     disk = DEVICE_DISK_GB * 1e9 if check.rehearse else shutil.disk_usage(check.out).free
     jobs = max(1, min(6, int(0.9 * disk // largest)))
-    seconds = sorted(round(engine.run_seconds(r)) for r in records.values() if engine.run_seconds(r) is not None)
+    seconds = sorted(round(report.run_seconds(r)) for r in records.values() if report.run_seconds(r) is not None)
     check.record("width_sweep_plan", ok=True, seconds=time.perf_counter() - start, runs=len(specs),
                  recorded=len(records), left=len(left), largest_run_gb=round(largest / 1e9, 1),
                  disk_gb=round(disk / 1e9), jobs=jobs, waves=-(-len(left) // jobs), recorded_run_seconds=seconds)

@@ -35,10 +35,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
-from utils import compare_norms, depth_sweep  # noqa: E402
-from utils.depth_sweep import NORMS, Axis  # noqa: E402
-from utils.study import engine, verdicts  # noqa: E402
-from utils.study.engine import RunSpec  # noqa: E402
+from utils.study import claims, cli, measures, plots, report, runs, sweep, verdicts  # noqa: E402
+from utils.study.runs import RunSpec  # noqa: E402
+from utils.study.sweep import NORMS, Axis  # noqa: E402
 
 # The depth sweep's budget and instruments (400 updates of 16 x 128 packed tokens, lr 1e-3, analyses at 200, 300 and
 # 400), at 24 layers. On the project's 2-core CPU (mixed precision, compiled) the runs take about 5 (hidden 64), 7
@@ -61,7 +60,7 @@ BUDGETS = {
 }
 # The study's claims about LNS − Pre-LN (utils/compare_norms.py), each with the paper's sign: (claim, measure,
 # expected direction of LNS − Pre-LN, compared as a log ratio)
-CLAIMS = [*compare_norms.CORE_CLAIMS, (compare_norms.REMOVAL_CLAIM, "removal_deep", +1, False)]
+CLAIMS = [*claims.CORE_CLAIMS, (claims.REMOVAL_CLAIM, "removal_deep", +1, False)]
 SHORT = {"eval_loss": "eval loss", "variance_growth": "variance growth (log ratio)",
          "angular_deep": "deep d(l, l+1)/π", "jacobian_deep": "deep ‖J − I‖/√d",
          "removal_deep": "deep removal cost (nats/word)"}
@@ -70,7 +69,7 @@ IDENTITY = "jacobian_deep"  # the question's measure: the deep blocks' distance 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    engine.add_study_arguments(parser, BUDGETS, budget_help=(
+    cli.add_study_arguments(parser, BUDGETS, budget_help=(
         "default: hidden 64, 128, 256 (about 2 hours on a 2-core CPU); gpu: adds 512, 768 and 1024 and is meant "
         "for one GPU (--budget gpu --device cuda --jobs 6: 36 runs, meant to fit in about 8 minutes on one H100; "
         "their training took about 5 minutes there, the analyses are not yet timed, so give it --max_hours and "
@@ -86,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None):
-    args = engine.parse_study_args(parser := build_parser(), argv, BUDGETS, ("widths", "seeds"))
+    args = cli.parse_study_args(parser := build_parser(), argv, BUDGETS, ("widths", "seeds"))
     s = args.settings
     if args.depth is not None:
         if args.depth < 2:
@@ -112,7 +111,7 @@ def width_axis(args) -> Axis:
 
 def width_config(args, width: int) -> dict:
     """The depth sweep's base config at `width`: heads of the budget's head dim, MLP in the base's proportion."""
-    base = json.loads((REPO / depth_sweep.BASE_CONFIG).read_text())
+    base = json.loads((REPO / sweep.BASE_CONFIG).read_text())
     heads = width // args.settings["head_dim"]
     return dict(hidden_size=width, intermediate_size=width * base["intermediate_size"] // base["hidden_size"],
                 num_attention_heads=heads, num_key_value_heads=heads, num_hidden_layers=args.settings["depth"])
@@ -121,7 +120,7 @@ def width_config(args, width: int) -> dict:
 def parameters(args, width: int) -> tuple[int, int]:
     """(block parameters, all parameters) of the model at `width`."""
     config = width_config(args, width)
-    vocab = json.loads((REPO / depth_sweep.BASE_CONFIG).read_text())["vocab_size"]
+    vocab = json.loads((REPO / sweep.BASE_CONFIG).read_text())["vocab_size"]
     block = 4 * width * width + 3 * width * config["intermediate_size"] + 2 * width
     blocks = config["num_hidden_layers"] * block
     return blocks, blocks + 2 * vocab * width + width
@@ -130,12 +129,12 @@ def parameters(args, width: int) -> tuple[int, int]:
 def run_specs(args) -> list[RunSpec]:
     s = args.settings
     axis = width_axis(args)
-    dynamics = engine.evenly_spaced_steps(s["steps"], s["dynamics_points"])
+    dynamics = runs.evenly_spaced_steps(s["steps"], s["dynamics_points"])
     specs = []
     for width in axis.values:  # width-major: a sweep stopped early has whole widths
         changes = width_config(args, width)
-        config = depth_sweep.write_config(args, f"llama_w{width}_hd{s['head_dim']}_L{s['depth']}.json", **changes)
-        base = depth_sweep.train_flags(args, s["depth"], s["steps"], s["warmup"], dynamics[0], config)
+        config = sweep.write_config(args, f"llama_w{width}_hd{s['head_dim']}_L{s['depth']}.json", **changes)
+        base = sweep.train_flags(args, config, s["steps"], s["warmup"], dynamics[0])
         for seed in s["seeds"]:
             for norm in NORMS:
                 specs.append(RunSpec(axis.arm(width, norm), seed, (*base, "--norm_type", norm), dynamics))
@@ -145,7 +144,7 @@ def run_specs(args) -> list[RunSpec]:
 # ------------------------------------------------------------------------------------------------------ statistics
 def width_verdicts(axis: Axis, records) -> dict[int, list[verdicts.Verdict]]:
     """At each width, the study's claims about LNS − Pre-LN, paired by seed."""
-    return {w: compare_norms.pair_verdicts(records, axis.arm(w, "pre"), axis.arm(w, "lns"), ("Pre-LN", "LNS"))
+    return {w: claims.pair_verdicts(records, axis.arm(w, "pre"), axis.arm(w, "lns"), ("Pre-LN", "LNS"))
             for w in axis.values}
 
 
@@ -154,17 +153,17 @@ def gap_slope_verdicts(axis: Axis, records) -> list[verdicts.Verdict]:
     "reproduced" means the effect moves toward the paper's sign as the width grows."""
     found = []
     for claim, measure, direction, log_ratio in CLAIMS:
-        slopes = depth_sweep.slope_by_seed(depth_sweep.paired_differences(axis, records, measure, log_ratio), False)
+        slopes = sweep.slope_by_seed(sweep.paired_differences(axis, records, measure, log_ratio), False)
         what = "ln(LNS / Pre-LN)" if log_ratio else "LNS − Pre-LN"
-        found.append(depth_sweep.slope_verdict(f"{SHORT[measure]}: {what} moves toward the paper's sign with width "
+        found.append(sweep.slope_verdict(f"{SHORT[measure]}: {what} moves toward the paper's sign with width "
                                                f"(slope vs ln {axis.symbol})", direction, slopes))
     return found
 
 
 def identity_ratio_verdict(axis: Axis, records) -> verdicts.Verdict:
     """The identity gap as a ratio, scale-free across widths: slope of ln(LNS / Pre-LN) deep ‖J − I‖/√d."""
-    slopes = depth_sweep.slope_by_seed(depth_sweep.paired_differences(axis, records, IDENTITY, True), False)
-    return depth_sweep.slope_verdict(f"{SHORT[IDENTITY]}: ln(LNS / Pre-LN) moves toward the paper's sign with width "
+    slopes = sweep.slope_by_seed(sweep.paired_differences(axis, records, IDENTITY, True), False)
+    return sweep.slope_verdict(f"{SHORT[IDENTITY]}: ln(LNS / Pre-LN) moves toward the paper's sign with width "
                                      f"(slope vs ln {axis.symbol})", +1, slopes)
 
 
@@ -182,10 +181,10 @@ def measure_slopes_table(axis: Axis, records) -> str:
     """Per measure and norm type, the mean per-seed slope against ln(width) with its 95% interval (descriptive:
     the paper makes no width prediction)."""
     rows = [f"| measure | Pre-LN: slope vs ln {axis.symbol} | LNS: slope vs ln {axis.symbol} |", "|---|---|---|"]
-    for measure, title in engine.measures_in(records).items():
+    for measure, title in measures.measures_in(records).items():
         log_values = measure == "variance_growth"
-        cells = [interval_text(list(depth_sweep.slope_by_seed(
-            depth_sweep.measure_by_value(axis, records, norm, measure), log_values).values())) for norm in NORMS]
+        cells = [interval_text(list(sweep.slope_by_seed(
+            sweep.measure_by_value(axis, records, norm, measure), log_values).values())) for norm in NORMS]
         rows.append(f"| {'ln ' if log_values else ''}{title} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -195,8 +194,8 @@ def claims_table(axis: Axis, at_width: dict[int, list[verdicts.Verdict]], slopes
     rows = ["| claim (LNS − Pre-LN) | " + " | ".join(f"{axis.symbol} = {w}" for w in axis.values)
             + f" | slope vs ln {axis.symbol} |", "|---" * (len(axis.values) + 2) + "|"]
     for i, (_, measure, _, _) in enumerate(CLAIMS):
-        cells = [compare_norms.effect_text(at_width[w][i]) for w in axis.values]
-        rows.append(f"| {SHORT[measure]} | " + " | ".join(cells) + f" | {compare_norms.effect_text(slopes[i])} |")
+        cells = [claims.effect_text(at_width[w][i]) for w in axis.values]
+        rows.append(f"| {SHORT[measure]} | " + " | ".join(cells) + f" | {claims.effect_text(slopes[i])} |")
     return "\n".join(rows)
 
 
@@ -234,7 +233,7 @@ def identity_answer(axis: Axis, at_width: dict[int, list[verdicts.Verdict]], slo
 # ------------------------------------------------------------------------------------------------------ report
 def write_csv(axis: Axis, records, path: Path) -> Path:
     """One row per run: its width, norm, seed, status, device, times and every measure at its last checkpoint."""
-    shown = engine.measures_in(records)
+    shown = measures.measures_in(records)
     with path.open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["width", "norm", "seed", "status", "device", "train_seconds", "analysis_seconds",
@@ -243,66 +242,90 @@ def write_csv(axis: Axis, records, path: Path) -> Path:
             for norm in NORMS:
                 for record in sorted((r for r in records.values() if r["arm"] == axis.arm(width, norm)),
                                      key=lambda r: r["seed"]):
-                    measures = engine.measures_at(record) if record["status"] == "finished" else {}
-                    writer.writerow([width, norm, record["seed"], record["status"], engine.record_device(record),
+                    at_last = measures.measures_at(record) if record["status"] == "finished" else {}
+                    writer.writerow([width, norm, record["seed"], record["status"], runs.record_device(record),
                                      record.get("train_seconds"), record.get("analysis_seconds"),
-                                     *(engine.finite_or_none(measures.get(m)) for m in shown)])
+                                     *(measures.finite_or_none(at_last.get(m)) for m in shown)])
     return path
 
 
-def write_report(args, records, skipped, started, argv) -> Path:
-    out = args.out
-    out.mkdir(parents=True, exist_ok=True)
+def setup_section(args, records, run_minutes: dict[int, list[float]], speeds: dict[int, list[float]]) -> str:
+    """The report's Set-up: the models at each width (with their measured run-minutes and speed), the budget, the
+    instruments, the seeds and the machine."""
     s = args.settings
-    axis = width_axis(args)
-    widths = axis.values
-    suffix = s.get("report_suffix", "")
-    at_width = width_verdicts(axis, records)
-    slopes = gap_slope_verdicts(axis, records)
-    ratio = identity_ratio_verdict(axis, records)
-    index = {measure: i for i, (_, measure, _, _) in enumerate(CLAIMS)}
-    identity_png = depth_sweep.plot_gap(
-        [at_width[w][index[IDENTITY]] for w in widths], widths, out / f"identity_gap_vs_width{suffix}.png",
-        axis.label, "width", "LNS − Pre-LN deep ‖J − I‖/√d",
-        "LNS's deep identity gap against {noun} (below 0: LNS closer to I)")
-    loss_png = depth_sweep.plot_gap([at_width[w][index["eval_loss"]] for w in widths], widths,
-                                    out / f"loss_gap_vs_width{suffix}.png", axis.label, "width")
-    by_width_png = depth_sweep.plot_against(axis, records, out / f"measures_vs_width{suffix}.png")
-    dynamics = {w: engine.plot_dynamics(records, {axis.arm(w, n): f"{label}, d={w}" for n, label in NORMS.items()},
-                                           out / f"dynamics_W{w}_L{s['depth']}{suffix}.png")
-                for w in (widths[0], widths[-1])}
-    csv_path = write_csv(axis, records, out / f"measures{suffix}.csv")
-
-    specs = run_specs(args)
-    status = engine.run_status(records, len(specs), skipped)
-    reused = sum(r.get("reused") == "record" for r in records.values())
-    at = {w: [r for r in records.values() if r["arm"] in (axis.arm(w, "pre"), axis.arm(w, "lns"))] for w in widths}
-    run_minutes = {w: [engine.run_seconds(r) / 60 for r in at[w] if engine.run_seconds(r) is not None]
-                   for w in widths}
-    speeds = {w: [r["tokens_per_s_median"] for r in at[w] if r.get("tokens_per_s_median")] for w in widths}
-    devices = sorted({engine.record_device(r) for r in records.values()}) or [args.device]
+    widths = width_axis(args).values
     tokens = s["steps"] * s["batch_size"] * s["max_length"]
-    train_tokens = engine.embedded_train_tokens()
+    train_tokens = report.embedded_train_tokens()
     config_rows = "\n".join(
         f"| {w} | {width_config(args, w)['num_attention_heads']} | {s['head_dim']} | "
         f"{width_config(args, w)['intermediate_size']} | {parameters(args, w)[0] / 1e6:.2f} M | "
         f"{parameters(args, w)[1] / 1e6:.2f} M | "
         + (f"{np.mean(run_minutes[w]):.1f} ({len(run_minutes[w])} runs)" if run_minutes[w] else "n/a") + " | "
         + (f"{np.median(speeds[w]):,.0f}" if speeds[w] else "n/a") + " |" for w in widths)
-    rel = lambda p: Path(p).resolve().relative_to(out.resolve())  # noqa: E731
+    return f"""## Set-up
+
+- **Models**: `{sweep.BASE_CONFIG}` at {s['depth']} layers and width d; the head dim stays {s['head_dim']}, so the
+  heads grow with d, and the MLP is {width_config(args, widths[0])['intermediate_size'] / widths[0]:.2f} d. Nothing
+  else changes with d:
+
+  | d | heads | head dim | MLP | block parameters | all parameters | run-minutes (mean) | tokens/s (median) |
+  |---|---|---|---|---|---|---|---|
+{chr(10).join('  ' + row for row in config_rows.splitlines())}
+- **Budget**: the depth sweep's. {s['steps']} updates × {s['batch_size']} × {s['max_length']} packed tokens =
+  {tokens / 1e6:.2f} M tokens per run at every width, {tokens / train_tokens:.2f} epochs over the {train_tokens:,}-token
+  training split; Adam, **one learning rate, 1e-3, at every width** (no µP-style per-width rate: a wider model may
+  be further from its best rate, which the report does not correct for), {s['warmup']} warmup steps then cosine to
+  10%, clipping 1.0, {cli.DTYPE_LABELS[args.dtype]} (`--dtype {args.dtype}`), {'compiled' if args.compile else 'eager'}.
+- **Instruments** at steps {', '.join(map(str, runs.evenly_spaced_steps(s['steps'], s['dynamics_points'])))}, inside
+  the trained context of {s['max_length']} tokens: variance and angular distance over {s['stream_tokens']:,} held-out
+  tokens, block Jacobians at {s['jacobian_tokens']} tokens ({'exact' if not s['jacobian_probes'] else
+  f"{s['jacobian_probes']} random probes per token"}; ‖J − I‖_F/√d is normalised by the width), one-layer removal
+  on {s['removal_documents']} held-out documents.
+- **Seeds**: {', '.join(map(str, s['seeds']))}, paired across norm types and widths.
+{report.machine_lines(records)}
+"""
+
+
+def write_report(args, records, skipped, started, argv) -> Path:
+    specs = run_specs(args)
+    frame = report.frame("utils/width_sweep.py", args, argv, started, records, skipped, len(specs))
+    out, s, suffix = frame.out, frame.settings, frame.suffix
+    axis = width_axis(args)
+    widths = axis.values
+    at_width = width_verdicts(axis, records)
+    slopes = gap_slope_verdicts(axis, records)
+    ratio = identity_ratio_verdict(axis, records)
+    index = {measure: i for i, (_, measure, _, _) in enumerate(CLAIMS)}
+    identity_png = sweep.plot_gap(
+        [at_width[w][index[IDENTITY]] for w in widths], widths, out / f"identity_gap_vs_width{suffix}.png",
+        axis.label, "width", "LNS − Pre-LN deep ‖J − I‖/√d",
+        "LNS's deep identity gap against {noun} (below 0: LNS closer to I)")
+    loss_png = sweep.plot_gap([at_width[w][index["eval_loss"]] for w in widths], widths,
+                                    out / f"loss_gap_vs_width{suffix}.png", axis.label, "width")
+    by_width_png = sweep.plot_against(axis, records, out / f"measures_vs_width{suffix}.png")
+    dynamics = {w: plots.plot_dynamics(records, {axis.arm(w, n): f"{label}, d={w}" for n, label in NORMS.items()},
+                                           out / f"dynamics_W{w}_L{s['depth']}{suffix}.png")
+                for w in (widths[0], widths[-1])}
+    csv_path = write_csv(axis, records, out / f"measures{suffix}.csv")
+
+    at = {w: [r for r in records.values() if r["arm"] in (axis.arm(w, "pre"), axis.arm(w, "lns"))] for w in widths}
+    run_minutes = {w: [report.run_seconds(r) / 60 for r in at[w] if report.run_seconds(r) is not None]
+                   for w in widths}
+    speeds = {w: [r["tokens_per_s_median"] for r in at[w] if r.get("tokens_per_s_median")] for w in widths}
+    devices = sorted({runs.record_device(r) for r in records.values()}) or [args.device]
     cpu_minutes = sum(m for v in run_minutes.values() for m in v)
     text = f"""# Width sweep: Pre-LN against LNS at d = {', '.join(map(str, widths))}, L = {s['depth']}
 
-{engine.generated_by('utils/width_sweep.py', argv, args)}{engine.sitting_clause(argv, started, reused)}
-{status} The runs took {cpu_minutes:.0f} run-minutes in all (training and analyses, each run on one
+{frame.opening}
+{frame.status} The runs took {cpu_minutes:.0f} run-minutes in all (training and analyses, each run on one
 {'thread' if devices == ['cpu'] else 'device'}; device: {', '.join(devices)}).
-{engine.wall_time_sentence(specs, records, args.jobs)}
+{report.wall_time_sentence(specs, records, args.jobs)}
 
 ## Does LNS's deep-block identity gap survive width?
 
 {identity_answer(axis, at_width, slopes[index[IDENTITY]], ratio)}
 
-![identity gap]({rel(identity_png)})
+![identity gap]({frame.rel(identity_png)})
 
 ## The study's claims at each width (LNS − Pre-LN, paired by seed)
 
@@ -316,7 +339,7 @@ effect moves toward the paper's sign as the width grows, **opposite** away from 
 
 - {ratio.line()}
 
-![loss gap]({rel(loss_png)})
+![loss gap]({frame.rel(loss_png)})
 
 ## Every measure against width (last checkpoint)
 
@@ -325,53 +348,31 @@ the variance growth is fitted on its log).
 
 {measure_slopes_table(axis, records)}
 
-![measures against width]({rel(by_width_png)})
+![measures against width]({frame.rel(by_width_png)})
 
-{depth_sweep.measures_table(axis, records)}
+{sweep.measures_table(axis, records)}
 
-"Cheap to remove": removing the layer raises held-out perplexity by less than 1% (ln ratio < {engine.CHEAP_REMOVAL_NATS:.5f}).
+"Cheap to remove": removing the layer raises held-out perplexity by less than 1% (ln ratio < {measures.CHEAP_REMOVAL_NATS:.5f}).
 Deep = the deeper half of the layers. Per run: `{csv_path.name}`.
 
 ## Dynamics at the narrowest and the widest setting
 
-{chr(10).join(f'![dynamics d={w}]({rel(p)})' for w, p in dynamics.items())}
+{chr(10).join(f'![dynamics d={w}]({frame.rel(p)})' for w, p in dynamics.items())}
 
-## Set-up
-
-- **Models**: `{depth_sweep.BASE_CONFIG}` at {s['depth']} layers and width d; the head dim stays {s['head_dim']}, so the
-  heads grow with d, and the MLP is {width_config(args, widths[0])['intermediate_size'] / widths[0]:.2f} d. Nothing
-  else changes with d:
-
-  | d | heads | head dim | MLP | block parameters | all parameters | run-minutes (mean) | tokens/s (median) |
-  |---|---|---|---|---|---|---|---|
-{chr(10).join('  ' + row for row in config_rows.splitlines())}
-- **Budget**: the depth sweep's. {s['steps']} updates × {s['batch_size']} × {s['max_length']} packed tokens =
-  {tokens / 1e6:.2f} M tokens per run at every width, {tokens / train_tokens:.2f} epochs over the {train_tokens:,}-token
-  training split; Adam, **one learning rate, 1e-3, at every width** (no µP-style per-width rate: a wider model may
-  be further from its best rate, which the report does not correct for), {s['warmup']} warmup steps then cosine to
-  10%, clipping 1.0, {engine.DTYPE_LABELS[args.dtype]} (`--dtype {args.dtype}`), {'compiled' if args.compile else 'eager'}.
-- **Instruments** at steps {', '.join(map(str, engine.evenly_spaced_steps(s['steps'], s['dynamics_points'])))}, inside
-  the trained context of {s['max_length']} tokens: variance and angular distance over {s['stream_tokens']:,} held-out
-  tokens, block Jacobians at {s['jacobian_tokens']} tokens ({'exact' if not s['jacobian_probes'] else
-  f"{s['jacobian_probes']} random probes per token"}; ‖J − I‖_F/√d is normalised by the width), one-layer removal
-  on {s['removal_documents']} held-out documents.
-- **Seeds**: {', '.join(map(str, s['seeds']))}, paired across norm types and widths.
-- **Machine** of the runs: {engine.records_machines(records)}. This text was written on
-  {engine.machine_description()}; {engine.software_versions()}.
-
+{setup_section(args, records, run_minutes, speeds)}
 Raw numbers: one JSON record per run in `runs/`, `{csv_path.name}` and `summary{suffix}.json`.
 """
     summary = dict(budget=args.budget, device=args.device, settings=s,
                    at_width={str(w): [v.as_dict() for v in found] for w, found in at_width.items()},
                    slopes=[v.as_dict() for v in slopes], identity_ratio_slope=ratio.as_dict(),
                    run_minutes=round(cpu_minutes, 1), runs=sorted(records), missing=[spec.name for spec in skipped])
-    return engine.write_report_files(out, text, summary, suffix)
+    return report.write_report_files(out, text, summary, suffix)
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args, started = parse_args(argv), time.time()
-    print(f"report: {write_report(args, *engine.collect_records(args, run_specs(args)), started, argv)}")
+    print(f"report: {write_report(args, *runs.collect_records(args, run_specs(args)), started, argv)}")
     return 0
 
 

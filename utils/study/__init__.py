@@ -1,5 +1,14 @@
-"""The studies' engine, shared by utils/compare_norms.py, utils/depth_sweep.py and utils/width_sweep.py.
+"""The studies' library, shared by utils/compare_norms.py, utils/depth_sweep.py and utils/width_sweep.py, which hold
+only their budgets, arms and report templates. No script imports another.
 
-    engine      the flags every study takes, its runs (train, analyse, record), the records and the report helpers
-    verdicts    paired verdicts on the paper's claims, with an effect and its 95% interval
+    cli        the flags every study takes, resolved into its settings and folders
+    runs       a study's runs: train (torchrun_main.py), analyse, write the record; read records back
+    analyse    every instrument on one checkpoint (the analysis subprocess of a run)
+    measures   the scalar measures a record's analyses are summarised into, per arm and seed
+    claims     the paper's claims about LNS against Pre-LN as paired verdicts on two arms, and their report text
+    sweep      what the depth and width sweeps share: the axis, configs, flags, slopes against ln of the swept value
+    verdicts   paired verdicts with an effect and its 95% interval
+    plots      the figures every study draws
+    report     the report's shared lines: what made it, how complete, how long, where it is saved
+    host       the machine a record was made on and the software a report was written with
 """

@@ -1,0 +1,116 @@
+"""The command line every study shares: its budget, seeds, folders, parallelism, precision and device."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from utils.study.host import bf16_instructions
+from utils.study.runs import DEFAULT_DATASET, REPO
+
+DTYPE_LABELS = {"float32": "float32", "mixed": "mixed precision"}  # the studies' --dtype, as reports name it
+
+DEVICES = ("cpu", "cuda")  # the studies' --device
+
+
+def add_study_arguments(parser: argparse.ArgumentParser, budgets: dict,
+                        budget_help: str = "named budget (see above)") -> None:
+    """The flags the studies share: the named budget, seeds, folders, parallelism, resumption, precision, device."""
+    parser.add_argument("--budget", default="default", choices=sorted(budgets), help=budget_help)
+    parser.add_argument("--quick", action="store_true", help="same as --budget quick (the CI smoke test)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="override the budget's seeds")
+    parser.add_argument("--out", default=None, help="report folder (its runs/ subfolder holds the run records)")
+    parser.add_argument("--runs_dir", default=None, help="where the training runs and checkpoints go")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each (default 2: one per core)")
+    parser.add_argument("--max_hours", type=float, default=None,
+                        help="start no new run after this many hours; the next invocation continues")
+    parser.add_argument("--report_only", action="store_true", help="write the report from the saved records")
+    parser.add_argument("--fresh", action="store_true", help="retrain and re-analyse even where records exist")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="train every run with torch.compile (the default; --no-compile trains eager): 1.5x "
+                             "the tokens/s per update in mixed precision on a CPU with bf16 instructions, for 1-2 "
+                             "minutes of compilation in a configuration's first run and about 10 s in later ones "
+                             "(docs/benchmarks.md); compiled and eager runs are distinct records")
+    parser.add_argument("--dtype", default="mixed", choices=sorted(DTYPE_LABELS),
+                        help="what the runs that are not pure-bf16 arms train in. mixed (the default: bf16 autocast "
+                             "over fp32 master weights) is the faster step on a CPU with bf16 instructions "
+                             "(avx512_bf16 or AMX) and the slower one without them; float32 computes in fp32 on "
+                             "every host, as the committed float32 records did (docs/study.md). The two are "
+                             "distinct records")
+    parser.add_argument("--device", default="cpu", choices=DEVICES,
+                        help="where every run trains and is analysed: cpu (the default) or cuda (one GPU; --jobs "
+                             "runs share it). The flags are otherwise the same; CPU and GPU records are distinct, "
+                             "and a GPU setting's default folders end in _cuda")
+
+
+def resolve_study_args(parser: argparse.ArgumentParser, args, budgets: dict) -> None:
+    """args.settings (the budget, over the default one), args.out and args.runs_dir; one-line errors for bad values."""
+    if args.quick:
+        args.budget = "quick"
+    args.settings = {**budgets["default"], **budgets[args.budget]}
+    if args.jobs < 1:
+        parser.error(f"--jobs must be positive, got {args.jobs}")
+    if args.max_hours is not None and args.max_hours <= 0:
+        parser.error(f"--max_hours must be positive, got {args.max_hours}")
+    # one deadline for the whole invocation, however many collect_records calls it makes (the sweep, then its probe)
+    args.deadline = None if args.max_hours is None else time.time() + 3600 * args.max_hours
+    if args.device == "cuda" and not args.report_only and not cuda_available():  # a GPU's records report anywhere
+        parser.error("--device cuda: no CUDA device is visible on this machine")
+    if not args.report_only:
+        check_dataset(parser, args)
+        try:  # before any run trains: without it, every analysis fails after its training (a GPU image lacked it)
+            import lm_eval.tasks  # noqa: F401 (the removal analysis goes through lm-eval)
+        except ImportError as err:
+            parser.error(f"the removal analysis needs lm-eval, which does not import here ({err}); pip install -r "
+                         "exp_requirements.txt")
+    if args.device == "cpu" and args.dtype == "mixed" and not bf16_instructions():
+        print("note: this CPU names no bf16 instructions (avx512_bf16, amx_bf16); --dtype mixed emulates bf16 "
+              "products here and trains about 3x slower than --dtype float32 (docs/study.md)", file=sys.stderr)
+    # Folders are named from float32 eager, the precision and mode of the records committed before the default
+    # became mixed and compiled: those keep their plain names, every other setting gets a suffix.
+    variant = (("" if args.dtype == "float32" else f"_{args.dtype}") + ("_compile" if args.compile else "")
+               + ("" if args.device == "cpu" else f"_{args.device}"))
+    args.out = Path(args.out or REPO / variant_folder(args.settings["out"], variant))
+    args.runs_dir = Path(args.runs_dir or REPO / variant_folder(args.settings["runs_dir"], variant))
+
+
+def parse_study_args(parser: argparse.ArgumentParser, argv, budgets: dict, overrides: tuple[str, ...] = ()):
+    """A study's command line, parsed and resolved (resolve_study_args); each flag named in `overrides` that was
+    given (--seeds, --depths, --widths: lists) replaces the budget's setting of the same name."""
+    args = parser.parse_args(argv)
+    resolve_study_args(parser, args, budgets)
+    for name in overrides:
+        if getattr(args, name):
+            args.settings[name] = tuple(getattr(args, name))
+    return args
+
+
+def variant_folder(folder: str, variant: str) -> Path:
+    """The budget's default folder for a --dtype or --compile variant ("docs/study" -> "docs/study_mixed";
+    "runs/study_quick/report" -> "runs/study_quick_mixed/report"): its runs and records share no file with the
+    default's, so a variant neither retrains over nor overwrites the committed records."""
+    path = Path(folder)
+    if not variant:
+        return path
+    if path.name == "report":
+        return path.parent.with_name(path.parent.name + variant) / "report"
+    return path.with_name(path.name + variant)
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def check_dataset(parser: argparse.ArgumentParser, args) -> None:
+    """A budget on a corpus kept outside the repository needs it before any run trains: one line if it is absent."""
+    if args.settings.get("dataset", DEFAULT_DATASET) == DEFAULT_DATASET:
+        return
+    from peft_pretraining.wikipedia_corpus import corpus_paths
+
+    try:
+        corpus_paths()
+    except ValueError as error:
+        parser.error(f"--budget {args.budget}: {error}")

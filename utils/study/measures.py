@@ -1,0 +1,96 @@
+"""The scalar measures a record's analyses are summarised into, and their values per arm and seed."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+# A layer counts as "cheap to remove" when removing it raises held-out perplexity by less than 1% (0.00995 nats).
+CHEAP_REMOVAL_NATS = math.log(1.01)
+
+
+def deep_half(values: list) -> list[float]:
+    """The deeper half of per-layer values (layers L//2 .. L-1), finite ones only."""
+    tail = values[len(values) // 2:]
+    return [float(v) for v in tail if v is not None and math.isfinite(v)]
+
+
+def summarise_analysis(analysis: dict) -> dict:
+    """The scalar measures of one analysed checkpoint."""
+    variance = analysis["variance"]
+    removal = analysis["removal_nats"]
+    gains = analysis["norm_gains"]["per_layer"]
+    return dict(
+        variance_growth=variance[-1] / variance[1] if len(variance) > 2 and variance[1] > 0 else float("nan"),
+        angular_deep=float(np.mean(deep_half(analysis["angular_next"]) or [float("nan")])),
+        removal_deep=float(np.mean(deep_half(removal))),
+        cheap_removal_fraction=float(np.mean([v < CHEAP_REMOVAL_NATS for v in removal])),
+        jacobian_deep=float(np.mean(deep_half(analysis["jacobian_rel_identity_dev"]))),
+        norm_gain_mean=float(np.mean(gains)) if gains else float("nan"),
+        bi_deep=float(np.mean(deep_half(analysis["block_influence"]) or [float("nan")]))
+        if "block_influence" in analysis else float("nan"),
+    )
+
+
+def document_measures(record: dict) -> dict | None:
+    """Per-document values at the last analysed step, or None for a run analysed without them:
+    heldout_nats, the held-out loss per document (nats/word), and removal_deep, per document the mean loss rise
+    over the deeper half of the layers."""
+    analyses = record.get("analyses") or {}
+    if not analyses or record.get("status") != "finished":
+        return None
+    analysis = analyses[str(max(int(s) for s in analyses))]
+    if "removal_document_costs" not in analysis:
+        return None
+    deep = analysis["removal_document_costs"][len(analysis["removal_document_costs"]) // 2:]
+    return dict(heldout_nats=analysis["removal_document_nats"],
+                removal_deep=[float(np.mean(per_layer)) for per_layer in zip(*deep)] if deep else [])
+
+
+MEASURES = {
+    "eval_loss": "eval loss (nats/token)",
+    "variance_growth": "variance growth, last layer / first",
+    "angular_deep": "deep-half angular distance d(l, l+1)/pi",
+    "removal_deep": "deep-half removal cost (nats/word)",
+    "cheap_removal_fraction": "fraction of layers with removal cost < 1% ppl",
+    "jacobian_deep": "deep-half ‖J − I‖_F / √d",
+    "norm_gain_mean": "mean norm gain (all layers)",
+    "bi_deep": "deep-half block influence 1 − cos(h_l, h_l+1)",
+}
+
+LATER_MEASURES = ("bi_deep",)  # records analysed before a measure existed lack it
+
+
+def measures_in(records: dict[str, dict]) -> dict[str, str]:
+    """MEASURES, less the later ones that no record has, so that no table, plot or verdict shows a measure that
+    none of its runs took."""
+    found = [measures_at(r) for r in records.values() if r.get("status") == "finished"]
+    return {m: title for m, title in MEASURES.items()
+            if m not in LATER_MEASURES or any(finite_or_none(f.get(m)) is not None for f in found)}
+
+
+def measures_at(record: dict, step: int | None = None) -> dict:
+    """Every scalar measure of a record at an analysed step (default: its last analysed step)."""
+    analyses = record.get("analyses") or {}
+    if not analyses:
+        return dict(eval_loss=record.get("final_eval_loss"))
+    step = step if step is not None else max(int(s) for s in analyses)
+    evals = dict((int(s), loss) for s, loss in record.get("eval_curve", []))
+    return dict(summarise_analysis(analyses[str(step)]), eval_loss=evals.get(step))
+
+
+def finite_or_none(value):
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def by_seed(records: dict[str, dict], arm: str, measure: str, step: int | None = None) -> dict[int, float | None]:
+    """{seed: value} of one measure for one arm; a diverged run gives None (the verdicts drop its pair)."""
+    values = {}
+    for record in records.values():
+        if record["arm"] != arm:
+            continue
+        if record["status"] != "finished":
+            values[record["seed"]] = None
+            continue
+        values[record["seed"]] = finite_or_none(measures_at(record, step).get(measure))
+    return values

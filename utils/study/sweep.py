@@ -1,0 +1,176 @@
+"""What the depth and width sweeps share: the swept axis, the runs' configs and flags, the per-seed slopes against
+ln of the swept value, and the figures and table of every measure against it."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from utils.study import verdicts
+from utils.study.measures import MEASURES, by_seed, measures_in
+from utils.study.plots import finish_grid, pyplot
+from utils.study.runs import REPO, dataset_flags
+
+NORMS = {"pre": "Pre-LN", "lns": "LNS"}
+# Fixes published since the paper (issue 39), trained at a budget's rival_depths only (`--budget rivals`)
+RIVAL_NORMS = {"gpas": "GPAS", "bhyt": "BHyT"}
+NORM_LABELS = {**NORMS, **RIVAL_NORMS}
+# Hidden 64 (head dim 16) keeps a 48-layer run near 20 minutes with its analyses on one core; 128 would make every
+# run about four times dearer. Measured per run (train + analyses, two runs side by side; mean of the records in
+# docs/depth_sweep/runs): L=6 4.5, L=12 6.5, L=24 9.2, L=48 16.5 run-minutes, so L=96 takes about 35: the four
+# depths of the default fit in 2 hours on 2 cores, and L=96 is the `deep` extension, which shares the default's records.
+BASE_CONFIG = "configs/llama_tiny.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Axis:
+    """What a sweep varies (depth here, width in utils/width_sweep.py): its values, and how runs and reports name
+    them. The run of a norm type at one value is the arm f"{prefix}{value}-{norm}"."""
+
+    prefix: str  # "L": arms L6-pre, L48-lns
+    symbol: str  # the verdicts' slopes are against ln(symbol)
+    label: str  # the plots' axis label
+    noun: str  # "depth"
+    values: tuple[int, ...]
+
+    def arm(self, value: int, norm: str) -> str:
+        return f"{self.prefix}{value}-{norm}"
+
+
+def write_config(args, name: str, **changes) -> str:
+    """The base config with `changes`, written as `name` under the runs folder; returned relative to the
+    repository when possible, so that records made on another machine still match."""
+    config = {**json.loads((REPO / BASE_CONFIG).read_text()), **changes}
+    path = args.runs_dir / "configs" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def train_flags(args, config: str, steps: int, warmup: int, eval_every: int) -> tuple[str, ...]:
+    """The trainer's flags of a sweep run: `config` trained with the budget's data, batch and schedule on the
+    study's --device."""
+    s = args.settings
+    return ("--model_config", config, *dataset_flags(s),
+            "--packing", "--max_length", str(s["max_length"]), "--batch_size", str(s["batch_size"]),
+            "--total_batch_size", str(s["batch_size"]), "--lr", s.get("lr", "1e-3"), "--warmup_steps", str(warmup),
+            "--num_training_steps", str(steps), "--eval_every", str(eval_every), "--eval_tokens",
+            str(s["eval_tokens"]), "--grad_clipping", "1.0", "--weight_decay", "0", "--optimizer", "adam",
+            "--workers", "0", "--device", args.device, "--dtype", "float32")
+
+
+def measure_by_value(axis: Axis, records, norm: str, measure: str) -> dict[int, dict[int, float | None]]:
+    """{value: {seed: value of the measure}} at each run's last analysed checkpoint."""
+    return {v: by_seed(records, axis.arm(v, norm), measure) for v in axis.values}
+
+
+def slope_by_seed(table: dict[int, dict[int, float | None]], log_values: bool) -> dict[int, float | None]:
+    """Per seed, the least-squares slope of the measure (or its log) against ln of the swept value (ln L), over
+    the values it has."""
+    seeds = sorted({seed for per_seed in table.values() for seed in per_seed})
+    slopes = {}
+    for seed in seeds:
+        points = [(math.log(depth), per_seed.get(seed)) for depth, per_seed in table.items()]
+        points = [(x, math.log(y) if log_values else y) for x, y in points
+                  if y is not None and (not log_values or y > 0)]
+        slopes[seed] = float(np.polyfit(*zip(*points), 1)[0]) if len({x for x, _ in points}) >= 2 else None
+    return slopes
+
+
+def slope_verdict(claim: str, direction: int, slopes: dict[int, float | None]) -> verdicts.Verdict:
+    """The per-seed slopes against zero: a one-sample t interval over seeds (judge_seeds against a zero arm)."""
+    return verdicts.judge_seeds(claim, direction, {seed: 0.0 for seed in slopes}, slopes, ("zero", "slope"))
+
+
+def paired_differences(axis: Axis, records, measure: str, log_ratio: bool = False) -> dict[int, dict[int, float]]:
+    """{value: {seed: LNS − Pre-LN}} (or ln(LNS / Pre-LN)) of a measure, for the seeds where both runs have it."""
+    table = {}
+    for value in axis.values:
+        pre = by_seed(records, axis.arm(value, "pre"), measure)
+        lns = by_seed(records, axis.arm(value, "lns"), measure)
+        table[value] = {seed: (math.log(lns[seed] / pre[seed]) if log_ratio else lns[seed] - pre[seed])
+                        for seed in pre if pre[seed] is not None and lns.get(seed) is not None
+                        and (not log_ratio or min(pre[seed], lns[seed]) > 0)}
+    return table
+
+
+def plot_against(axis: Axis, records, path: Path) -> Path:
+    """Every measure at the last checkpoint against the swept value, one line per norm type."""
+    plt = pyplot()
+    depths = axis.values
+    measures = list(measures_in(records))
+    fig, axes = plt.subplots(2, math.ceil(len(measures) / 2), figsize=(4.4 * math.ceil(len(measures) / 2), 7),
+                             squeeze=False)
+    for ax, measure in zip(axes.flat, measures):
+        for norm, label in NORM_LABELS.items():
+            table = measure_by_value(axis, records, norm, measure)
+            xs, means, errors = [], [], []
+            for depth in depths:
+                vals = [v for v in table[depth].values() if v is not None]
+                if vals:
+                    xs.append(depth)
+                    means.append(np.mean(vals))
+                    errors.append(verdicts.paired_t_interval(vals)[2] - np.mean(vals) if len(vals) > 1 else 0.0)
+            if xs:
+                ax.errorbar(xs, means, yerr=errors, marker="o", markersize=4, capsize=3, label=label)
+        ax.set_xscale("log", base=2)
+        if measure == "variance_growth":
+            ax.set_yscale("log")  # Pre-LN's growth spans orders of magnitude across depths
+        ax.set_xticks(depths, [str(d) for d in depths])
+        ax.set_title(MEASURES[measure] + (" (log scale)" if measure == "variance_growth" else ""),
+                     fontsize=9)
+        ax.set_xlabel(axis.label)
+        ax.grid(alpha=0.3)
+    return finish_grid(fig, axes, len(measures),
+                                 f"Final checkpoint against {axis.noun} (mean over seeds, 95% t-interval)", path)
+
+
+def plot_gap(gaps: list[verdicts.Verdict], depths, path: Path, xlabel: str = "layers L", noun: str = "depth",
+             ylabel: str = "LNS − Pre-LN eval loss (nats)",
+             title: str = "LNS's loss gap against {noun} (below 0: LNS better)") -> Path:
+    """One verdict per swept value (its effect and interval) against the value."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    points = [(d, v) for d, v in zip(depths, gaps) if v.effect is not None]  # a depth with < 2 pairs has no interval
+    if points:
+        xs = [d for d, _ in points]
+        ax.errorbar(xs, [v.effect for _, v in points],
+                    yerr=[[v.effect - v.low for _, v in points], [v.high - v.effect for _, v in points]],
+                    marker="o", capsize=3)
+    ax.axhline(0, color="black", linewidth=0.7)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(depths), [str(d) for d in depths])
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title.format(noun=noun))
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=140)
+    plt.close(fig)
+    return path
+
+
+def measures_table(axis: Axis, records) -> str:
+    """Markdown: per swept value and norm type, the mean over seeds of every measure, and each run's best step."""
+    shown = measures_in(records)
+    rows = []
+    for value in axis.values:
+        for norm, label in NORM_LABELS.items():
+            arm_records = [r for r in records.values() if r["arm"] == axis.arm(value, norm)]
+            if not arm_records:
+                continue
+            cells = [str(value), label, f"{len(arm_records)}"]
+            for measure in shown:
+                vals = [v for v in by_seed(records, axis.arm(value, norm), measure).values()
+                        if v is not None]
+                cells.append(f"{np.mean(vals):.4f}" if vals else "n/a")
+            best = [min(r["eval_curve"], key=lambda p: p[1])[0] for r in arm_records if r["eval_curve"]]
+            cells.append(", ".join(map(str, best)))
+            rows.append("| " + " | ".join(cells) + " |")
+    header = (f"| {axis.symbol} | norm | runs | " + " | ".join(shown.values())
+              + " | step of lowest eval loss |\n|" + "---|" * (len(shown) + 4))
+    return "\n".join([header, *rows])
