@@ -34,7 +34,7 @@ from utils import model_io
 # Config attributes holding one entry per layer; the removed layer's entry is dropped.
 PER_LAYER_CONFIG_KEYS = ("layer_types", "layer_norm_types", "layer_depths")
 # Config attributes a removal may change, snapshotted so an in-memory removal can be undone exactly.
-_RESTORED_CONFIG_KEYS = ("num_hidden_layers", "deepnorm_num_layers", *PER_LAYER_CONFIG_KEYS)
+_RESTORED_CONFIG_KEYS = ("num_hidden_layers", "depth_scaling_num_layers", *PER_LAYER_CONFIG_KEYS)
 
 
 def check_layer_index(layer_index: int, num_layers: int) -> None:

@@ -12,9 +12,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from peft_pretraining.distributed import wrap_model  # noqa: E402
-from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config  # noqa: E402
+from peft_pretraining.distributed import wrap_model
+from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -22,14 +22,11 @@ import math
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
+from peft_pretraining.cli import OneLineErrorParser
 from utils import model_io
 
 PAPER_NUM_TOKENS = 256 * 1024  # the paper's count, the default on a GPU

@@ -11,18 +11,14 @@ text is tokenised with the repository's tokenizer (its ids fit the 49152-entry e
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
+from peft_pretraining.cli import OneLineErrorParser
 from utils import model_io
 from utils.angular_analysis import compute_angular_distances
 

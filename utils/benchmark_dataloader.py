@@ -21,16 +21,14 @@ import json
 import multiprocessing
 import pathlib
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from peft_pretraining import dataloader as data  # noqa: E402
-from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
+from peft_pretraining import dataloader as data
+from peft_pretraining.cli import OneLineErrorParser
 
 
 def measure_loader(tokenizer, *, packing: bool, max_length: int, batch_size: int, batches: int,

@@ -28,18 +28,15 @@ import itertools
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from peft_pretraining import optimization  # noqa: E402
-from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
-from peft_pretraining.head_losses import HEAD_LOSSES, liger_import_error  # noqa: E402
-from peft_pretraining.modeling_llama import NORM_TYPES, LlamaForCausalLM, build_config  # noqa: E402
+from peft_pretraining import optimization
+from peft_pretraining.cli import OneLineErrorParser
+from peft_pretraining.head_losses import HEAD_LOSSES, liger_import_error
+from peft_pretraining.modeling_llama import NORM_TYPES, LlamaForCausalLM, build_config
 
 REPO = Path(__file__).resolve().parent.parent
 # The paper's per-GPU micro-batch (run_<size>.sh --batch_size), sequence length 256.

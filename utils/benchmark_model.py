@@ -53,20 +53,19 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import LlamaConfig
+from transformers import LlamaForCausalLM as HFLlamaForCausalLM
+
+from peft_pretraining import modeling_llama
+from peft_pretraining.cli import OneLineErrorParser
+from peft_pretraining.host_memory import keep_freed_host_memory
+from peft_pretraining.optimization import build_optimizer
+from utils.study.host import bf16_instructions, cpu_model_name
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-from transformers import LlamaConfig  # noqa: E402
-from transformers import LlamaForCausalLM as HFLlamaForCausalLM  # noqa: E402
-
-from peft_pretraining import modeling_llama  # noqa: E402
-from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
-from peft_pretraining.host_memory import keep_freed_host_memory  # noqa: E402
-from peft_pretraining.optimization import build_optimizer  # noqa: E402
-from utils.study.host import bf16_instructions, cpu_model_name  # noqa: E402
 
 STUDY_CONFIG = "configs/llama_tiny_deep.json"
 MODELS = ("ours", "before", "hf", "hf_eager_attn")

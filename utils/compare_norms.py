@@ -30,14 +30,13 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from peft_pretraining.cli import OneLineErrorParser
+from utils.study import cli, measures, plots, report, runs, verdicts
+from utils.study.claims import CORE_CLAIMS, effect_text, loss_verdict, pair_verdicts, verdict_lines
+from utils.study.measures import by_seed
+from utils.study.runs import RunSpec
 
-from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
-from utils.study import cli, measures, plots, report, runs, verdicts  # noqa: E402
-from utils.study.claims import CORE_CLAIMS, effect_text, loss_verdict, pair_verdicts, verdict_lines  # noqa: E402
-from utils.study.measures import by_seed  # noqa: E402
-from utils.study.runs import RunSpec  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclasses.dataclass(frozen=True)

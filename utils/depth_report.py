@@ -32,9 +32,6 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -42,6 +39,7 @@ from tqdm.auto import tqdm
 
 import layer_remove
 from peft_pretraining.cli import OneLineErrorParser
+from peft_pretraining.model_parts import decoder_layers
 from utils import model_io
 from utils.angular_analysis import AngularDistanceAccumulator
 from utils.jacobian_analysis import jacobian_summary
@@ -188,7 +186,7 @@ def measure_removal(model, batches: list, desc: str = "removal") -> dict:
     """The loss with every layer, and its rise (nats/token) with each layer removed in turn."""
     baseline = next_token_loss(model, batches)
     costs = []
-    for layer in tqdm(range(len(model_io.decoder_layers(model))), unit="layer", desc=desc, dynamic_ncols=True):
+    for layer in tqdm(range(len(decoder_layers(model))), unit="layer", desc=desc, dynamic_ncols=True):
         with layer_remove.layer_removed(model, layer):
             costs.append(next_token_loss(model, batches) - baseline)
     return dict(removal_baseline_nats=baseline, removal_cost=costs)
@@ -480,7 +478,7 @@ def analyse(parser, args, label: str, model_path: str, device, dtype, source) ->
     started = time.perf_counter()
     model, tokenizer = model_io.load_model_and_tokenizer(model_path, dtype, device, args.tokenizer)
     try:
-        layers = model_io.decoder_layers(model)
+        layers = decoder_layers(model)
         final_readout(model)
     except ValueError as err:
         model_io.bad_input(parser, f"--model_path: {model_path} is not a decoder the report can read ({err})")

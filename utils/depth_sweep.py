@@ -30,13 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
-from utils.study import cli, measures, plots, report, runs, verdicts  # noqa: E402
-from utils.study.runs import RunSpec  # noqa: E402
-from utils.study.sweep import (  # noqa: E402
+from peft_pretraining.cli import OneLineErrorParser
+from utils.study import cli, measures, plots, report, runs, verdicts
+from utils.study.runs import RunSpec
+from utils.study.sweep import (
     BASE_CONFIG,
     NORMS,
     RIVAL_NORMS,
@@ -51,6 +48,8 @@ from utils.study.sweep import (  # noqa: E402
     train_flags,
     write_config,
 )
+
+REPO = Path(__file__).resolve().parent.parent
 
 # 16 x 128-token updates of the Wikipedia budgets: one pass, below SINGLE_PASS_UPDATES at every seed, and a multiple
 # of 1,500 so that the analyses (thirds) fall on the 500-update saves and evals.

@@ -9,20 +9,17 @@ The result loads with `AutoModelForCausalLM.from_pretrained(OUT)`, no trust_remo
 """
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from transformers import AutoTokenizer
 
-from transformers import AutoTokenizer  # noqa: E402
-
-from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
-from peft_pretraining.layernorm_scaling import (  # noqa: E402
+from peft_pretraining.cli import OneLineErrorParser
+from peft_pretraining.layernorm_scaling import (
     fold_layernorm_scaling,
     reapply_layernorm_scaling_from_config,
 )
-from peft_pretraining.llama_export import export_to_hf_llama  # noqa: E402
-from peft_pretraining.modeling_llama import LlamaForCausalLM  # noqa: E402
+from peft_pretraining.llama_export import export_to_hf_llama
+from peft_pretraining.modeling_llama import LlamaForCausalLM
 
 
 def build_parser() -> argparse.ArgumentParser:

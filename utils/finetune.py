@@ -22,41 +22,39 @@ import json
 import math
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-
-from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
-from peft_pretraining.layernorm_scaling import (  # noqa: E402
+from peft_pretraining.cli import OneLineErrorParser
+from peft_pretraining.layernorm_scaling import (
     apply_layernorm_scaling,
     fold_layernorm_scaling,
     has_layernorm_scaling,
 )
-from peft_pretraining.lm_eval_tasks import (  # noqa: E402
+from peft_pretraining.lm_eval_tasks import (
     EMBEDDED_HELDOUT,
     LOCAL_TASK_BUILDERS,
     NEXT_SENTENCE_TASK,
     build_local_tasks,
 )
-from peft_pretraining.metrics_file import MetricsFile  # noqa: E402
-from peft_pretraining.optimization import build_scheduler  # noqa: E402
-from peft_pretraining.plots import plot_loss_curve  # noqa: E402
-from peft_pretraining.rng import seed_everything  # noqa: E402
-from peft_pretraining.sft_data import (  # noqa: E402
+from peft_pretraining.metrics_file import MetricsFile
+from peft_pretraining.optimization import build_scheduler
+from peft_pretraining.plots import plot_loss_curve
+from peft_pretraining.rng import seed_everything
+from peft_pretraining.sft_data import (
     IGNORE_INDEX,
     SFTCollator,
     load_instruction_dataset,
     tokenize_dataset,
 )
-from peft_pretraining.wandb_logging import init_wandb  # noqa: E402
-from utils.model_io import bad_input, hub_is_reachable, load_model_and_tokenizer, resolve_context_length, resolve_device  # noqa: E402
+from peft_pretraining.wandb_logging import init_wandb
+from utils.model_io import bad_input, hub_is_reachable, load_model_and_tokenizer, resolve_context_length, resolve_device
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # The paper's SFT evaluation (lm-eval task names); "siqa" is lm-eval's social_iqa.
 PAPER_TASKS = ("boolq", "piqa", "social_iqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")

@@ -11,12 +11,9 @@ requirements are for the `llm` command-line plugin, which is not used.) The hub 
 """
 import argparse
 import importlib.util
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
+from peft_pretraining.cli import OneLineErrorParser
 
 
 def shipped_smollm2() -> Path | None:

@@ -38,11 +38,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
-from peft_pretraining.head_losses import LOSS_TOLERANCE, liger_import_error  # noqa: E402
-from utils.benchmark_gpu import PAPER_MICRO_BATCH, dense_bf16_peak_tflops, model_flops_per_token  # noqa: E402
+from peft_pretraining.cli import OneLineErrorParser
+from peft_pretraining.head_losses import LOSS_TOLERANCE, liger_import_error
+from utils.benchmark_gpu import PAPER_MICRO_BATCH, dense_bf16_peak_tflops, model_flops_per_token
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ["recipes", "fsdp_resume", "bare_steps", "micro_batch", "losses", "eager_1b"]

@@ -41,8 +41,9 @@ fi
 if [[ -d .whl && -z ${GPU_LEASE_REHEARSAL:-} ]]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl >"$out/pip.log" 2>&1 || { echo "gpu_lease.sh: pip install failed (see pip.log)"; exit 1; }
-    export PYTHONPATH=/tmp/site:$PWD
+    export PYTHONPATH=/tmp/site
 fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD  # the repository's packages: the image has no `pip install -e .`
 bin=$(mktemp -d)
 command -v python >/dev/null || printf '#!/bin/sh\nexec python3 "$@"\n' >"$bin/python"
 command -v torchrun >/dev/null || printf '#!/bin/sh\nexec python3 -m torch.distributed.run "$@"\n' >"$bin/torchrun"

@@ -46,16 +46,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call
 from tqdm.auto import tqdm
 
-from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
+from peft_pretraining.cli import OneLineErrorParser
 from utils import model_io
 
 EXACT_MAX_HIDDEN = 512  # above this hidden size the default is the probe estimate

@@ -26,17 +26,14 @@ prints them beside the formula. CUDA attention kernels save the same tensors (q,
 """
 import argparse
 import json
-import sys
 from pathlib import Path
 from unittest import mock
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from peft_pretraining import modeling_llama  # noqa: E402
-from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
-from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config  # noqa: E402
+from peft_pretraining import modeling_llama
+from peft_pretraining.cli import OneLineErrorParser
+from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config
 
 REPO = Path(__file__).resolve().parent.parent
 GB = 1e9

@@ -22,12 +22,9 @@ import gzip
 import io
 import json
 import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-
-from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
-from peft_pretraining.dataloader import embedded_split_path, write_jsonl_gz  # noqa: E402
+from peft_pretraining.cli import OneLineErrorParser
+from peft_pretraining.dataloader import embedded_split_path, write_jsonl_gz
 
 C4_CONFIG = "en"
 C4_README = """---

@@ -31,13 +31,12 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from peft_pretraining.cli import OneLineErrorParser
+from utils.study import claims, cli, measures, plots, report, runs, sweep, verdicts
+from utils.study.runs import RunSpec
+from utils.study.sweep import NORMS, Axis
 
-from peft_pretraining.cli import OneLineErrorParser  # noqa: E402
-from utils.study import claims, cli, measures, plots, report, runs, sweep, verdicts  # noqa: E402
-from utils.study.runs import RunSpec  # noqa: E402
-from utils.study.sweep import NORMS, Axis  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 # The depth sweep's budget and instruments (400 updates of 16 x 128 packed tokens, lr 1e-3, analyses at 200, 300 and
 # 400), at 24 layers. On the project's 2-core CPU (mixed precision, compiled) the runs take about 5 (hidden 64), 7

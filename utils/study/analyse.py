@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from utils.study.runs import DEFAULT_DATASET, AnalysisSettings, write_json_atomic
+from peft_pretraining.run_folder import write_json_atomic
+from utils.study.runs import DEFAULT_DATASET, AnalysisSettings
 
 
 def heldout_text_flags(heldout: str) -> tuple[list[str], list[str]]:
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         out_dir = run_dir / "analysis" / f"step_{step}"
         shutil.rmtree(out_dir, ignore_errors=True)
         results[str(step)] = analyse_checkpoint(run_dir / f"model_{step}", settings, out_dir, sys.stdout)
-    write_json_atomic(Path(args.out_json), results)
+    write_json_atomic(args.out_json, results, indent=1)
     return 0
 
 

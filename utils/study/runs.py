@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from peft_pretraining.run_folder import write_json_atomic
 from utils.study.host import machine_description
 
 REPO = Path(__file__).resolve().parents[2]
@@ -148,13 +149,6 @@ class PastDeadline(RuntimeError):
     pass
 
 
-def write_json_atomic(path: Path, payload: dict):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=1, allow_nan=True))
-    os.replace(tmp, path)
-
-
 def read_record(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -250,7 +244,8 @@ def run_job(spec: RunSpec, settings: AnalysisSettings, runs_dir: Path, records_d
                   device=settings.device,
                   analysis_seconds=round(time.perf_counter() - analysis_started, 1),
                   **curves_from_metrics(run_dir / "metrics.jsonl"), analyses=analyses)
-    write_json_atomic(record_path, record)
+    record_path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(record_path, record, indent=1)
     if not keep_checkpoints:
         for checkpoint in run_dir.glob("model_*"):
             shutil.rmtree(checkpoint, ignore_errors=True)

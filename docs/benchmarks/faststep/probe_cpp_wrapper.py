@@ -9,14 +9,13 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+import torch._inductor.config as inductor_config
+
+from peft_pretraining.optimization import build_optimizer
+from utils.benchmark_model import autocast_for, build_models, make_step
+
 REPO = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-import torch._inductor.config as inductor_config  # noqa: E402
-
-from peft_pretraining.optimization import build_optimizer  # noqa: E402
-from utils.benchmark_model import autocast_for, build_models, make_step  # noqa: E402
 
 
 def main():

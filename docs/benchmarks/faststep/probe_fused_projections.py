@@ -11,14 +11,13 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+
+from peft_pretraining import modeling_llama
+from peft_pretraining.optimization import build_optimizer
+
 REPO = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from peft_pretraining import modeling_llama  # noqa: E402
-from peft_pretraining.optimization import build_optimizer  # noqa: E402
 
 separate_attention = modeling_llama.Attention.forward
 separate_mlp = modeling_llama.MLP.forward
