@@ -18,7 +18,8 @@ from tests.analysis_helpers import (
     with_blocks,
     write_jsonl,
 )
-from utils.depth_report import LogitLensAccumulator, main, measure_removal, measure_stream
+from utils.depth_report import main, measure_removal, measure_stream
+from utils.logit_lens import LogitLensAccumulator
 
 MODELS = [lambda: tiny_hf_llama(3, seed=1), lambda: tiny_ours("lns", 3, seed=1)]
 
@@ -187,3 +188,32 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, case, named):
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert "error:" in error and named in error
     assert not (tmp_path / "out").exists()
+
+
+def test_the_angular_tools_logit_lens_is_the_depth_reports(tmp_path):
+    """Two paths, one answer: the angular tool's --logit_lens (its own batches, the study's path) and the depth report,
+    on the same tokens of the same text. Without the flag the angular tool writes exactly what it wrote before."""
+    from utils import angular_analysis
+
+    model_dir = str(save_with_tokenizer(tiny_ours("lns", 3, seed=1), tmp_path / "model"))
+    text = ["--text_file", str(write_jsonl(tmp_path / "text.jsonl", heldout_documents(2))), "--num_tokens", "96",
+            "--max_seq_len", "32", "--device", "cpu"]
+    with_lens, without = tmp_path / "with_lens", tmp_path / "without"
+    # batches of 2 windows, the depth report's of 8: the sums hold across batching
+    angular_analysis.main(["--model_path", model_dir, *text, "--batch_size", "2", "--output_dir", str(with_lens),
+                           "--logit_lens"])
+    angular_analysis.main(["--model_path", model_dir, *text, "--batch_size", "2", "--output_dir", str(without)])
+    report = main(["--model_path", model_dir, *text, "--removal_tokens", "32", "--jacobian_tokens", "1",
+                   "--out", str(tmp_path / "report")])[0]
+    lens = json.loads((with_lens / "logit_lens.json").read_text())
+    assert lens["num_tokens"] == report["num_tokens"] == 96
+    np.testing.assert_allclose(lens["lens_kl"], report["lens_kl"], rtol=1e-5, atol=1e-8)
+    for key in ("lens_top1_agreement", "prediction_depth_histogram"):
+        np.testing.assert_allclose(lens[key], report[key])
+    for key in ("prediction_depth_mean", "prediction_depth_median", "prediction_depth_p90"):
+        assert lens[key] == pytest.approx(report[key])
+    # random weights: the lenses differ from the final distribution, and tokens settle at different depths
+    assert min(lens["lens_kl"][:-1]) > 1e-4 and max(lens["prediction_depth_histogram"]) < 1
+    assert not (without / "logit_lens.json").exists()
+    for name in ("angular_distance.json", "angular_distance.csv", "block_influence.json", "block_influence.csv"):
+        assert (without / name).read_bytes() == (with_lens / name).read_bytes()

@@ -355,6 +355,7 @@ def test_depth_sweep_quick_end_to_end_then_reuses_every_record(tmp_path):
     analysed = record["analyses"][max(record["analyses"], key=int)]
     assert len(analysed["jacobian_rel_identity_dev"]) == 4 and len(analysed["removal_nats"]) == 4
     assert len(analysed["block_influence"]) == 4  # the angular tool's block influence reaches the record
+    assert len(analysed["lens_kl"]) == 4 and 1 <= analysed["prediction_depth_mean"] <= 4  # and its logit lens
     assert len(analysed["removal_document_nats"]) == 2 and len(analysed["removal_document_costs"]) == 4  # 2 documents
     assert len(measures.document_measures(record)["removal_deep"]) == 2
     # A second invocation, with the runs folder gone, reuses the committed records and trains nothing.
@@ -700,6 +701,76 @@ def test_the_depth_sweep_predicts_block_influence_only_from_pre_lns_own_records(
 
     assert not any("block influence" in claim for claim in claims(pre_has_it=False))
     assert any("block influence" in claim for claim in claims(pre_has_it=True))
+
+
+def lens_record(arm, seed, lens_kl=None, prediction_depth_mean=None):
+    """A crafted record of 8 layers, with the logit lens's fields only when given (older records lack them)."""
+    lens = dict(lens_kl=lens_kl, lens_top1_agreement=[0.5] * 7 + [1.0],
+                prediction_depth_mean=prediction_depth_mean) if lens_kl else {}
+    return dict(arm=arm, seed=seed, status="finished", final_eval_loss=5.0, eval_curve=[[4, 5.0]],
+                analyses={"4": dict(crafted_analysis(), **lens)})
+
+
+def test_the_logit_lens_measures_and_verdicts_appear_where_the_records_have_them():
+    """Issue 50: the lens's deep-half KL and relative prediction depth summarise a record's lens; records analysed
+    before the lens existed give neither measure nor verdict, and the verdicts before them are unchanged."""
+    old = {f"{arm}-seed{seed}": lens_record(arm, seed) for arm in ("pre", "lns") for seed in (1, 2, 3)}
+    assert not {"lens_kl_deep", "relative_prediction_depth"} & set(measures.measures_in(old))
+    old_verdicts = study_pair_verdicts(old, "pre", "lns")
+    assert not any("prediction" in v.claim for v in old_verdicts)
+
+    def lens_kl(deep, seed):  # the deep half (layers 4..7) ends with the final layer's 0
+        return [2.0] * 4 + [deep + 0.01 * seed] * 3 + [0.0]
+
+    new = {f"{arm}-seed{seed}": lens_record(arm, seed, lens_kl(deep, seed), depth + 0.1 * seed)
+           for arm, deep, depth in (("pre", 0.2, 3.0), ("lns", 0.6, 5.0)) for seed in (1, 2, 3)}
+    assert measures.by_seed(new, "lns", "lens_kl_deep")[2] == pytest.approx((3 * 0.62 + 0.0) / 4)
+    assert measures.by_seed(new, "pre", "relative_prediction_depth")[1] == pytest.approx(3.1 / 8)
+    found = study_pair_verdicts(new, "pre", "lns")
+    assert [v.claim for v in found[:len(old_verdicts)]] == [v.claim for v in old_verdicts]
+    kl, depth = found[len(old_verdicts):]
+    assert "logit-lens KL" in kl.claim and kl.effect == pytest.approx(0.3) and kl.status == verdicts.REPRODUCED
+    assert "prediction depth" in depth.claim and depth.effect == pytest.approx(2 / 8)
+    assert depth.status == verdicts.REPRODUCED
+    opposite = {name: dict(record, arm={"pre": "lns", "lns": "pre"}[record["arm"]]) for name, record in new.items()}
+    assert {v.status for v in study_pair_verdicts(opposite, "pre", "lns")[len(old_verdicts):]} == {verdicts.OPPOSITE}
+
+
+def test_the_depth_sweep_compares_the_logit_lens_only_where_the_records_have_it():
+    axis = sweep.Axis("L", "L", "layers L", "depth", (6, 12, 24, 48))
+    wobble = {1: 1.0, 2: 1.02, 3: 0.97}
+    records = depth_records(lambda norm, depth, seed: 0.1, lambda norm, depth, seed: 5.0)
+    assert not {"lens_kl_deep", "relative_prediction_depth"} & {
+        c.measure for c in depth_sweep.comparative_verdicts(axis, records)}
+    for record in records.values():  # Pre-LN's prediction settles ever earlier with depth, LNS's stays at 0.8 L
+        depth, norm = int(record["arm"].split("-")[0][1:]), record["arm"].split("-")[1]
+        settles_at = (0.8 if norm == "lns" else 3.0 / depth) * wobble[record["seed"]]
+        record["analyses"]["4"].update(lens_kl=[0.5] * 7 + [0.0], prediction_depth_mean=settles_at * 8)
+    found = {c.measure: c for c in depth_sweep.comparative_verdicts(axis, records)}
+    assert found["relative_prediction_depth"].ratio.effect == pytest.approx(1.0)  # ln(0.8 / (3 / L)) = ln L + const
+    assert found["relative_prediction_depth"].ratio.status == verdicts.REPRODUCED
+    assert found["lens_kl_deep"].gap.effect == pytest.approx(0.0)  # the crafted KLs ignore the arm
+
+
+def test_the_logit_lens_reaches_the_record_from_a_real_checkpoint(tmp_path):
+    """The study's analysis of a (tiny, untrained) checkpoint, in process: the angular tool's lens reaches the
+    analysis, and the measures summarise it."""
+    from tests.analysis_helpers import save_with_tokenizer, tiny_ours
+
+    checkpoint = save_with_tokenizer(tiny_ours("pre", 3, seed=1), tmp_path / "model_4")
+    settings = runs.AnalysisSettings(max_seq_len=32, stream_tokens=64, jacobian_tokens=1, jacobian_probes=0,
+                                     removal_documents=2)
+    with (tmp_path / "analysis.log").open("w") as log:
+        analysis = analyse.analyse_checkpoint(checkpoint, settings, tmp_path / "analysis", log)
+    assert len(analysis["lens_kl"]) == len(analysis["lens_top1_agreement"]) == 3
+    assert analysis["lens_kl"][-1] == pytest.approx(0.0, abs=1e-6) and analysis["lens_top1_agreement"][-1] == 1.0
+    assert 1.0 <= analysis["prediction_depth_mean"] <= 3.0
+    summary = measures.summarise_analysis(analysis)
+    assert summary["lens_kl_deep"] == pytest.approx(analysis["lens_kl"][1] / 2) and summary["lens_kl_deep"] > 0
+    assert summary["relative_prediction_depth"] == pytest.approx(analysis["prediction_depth_mean"] / 3)
+    record = dict(arm="pre", seed=1, status="finished", final_eval_loss=5.0, eval_curve=[[4, 5.0]],
+                  analyses={"4": analysis})
+    assert {"lens_kl_deep", "relative_prediction_depth"} <= set(measures.measures_in({"pre-seed1": record}))
 
 
 @pytest.mark.parametrize("budget, named, not_named", [

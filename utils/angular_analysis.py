@@ -12,6 +12,11 @@ and are NaN (null in JSON, empty in CSV, masked in the heatmap).
 Block influence (ShortGPT, Men et al. 2024), from the same pass: BI(l) = 1 - mean over real tokens of
 cos(h_l, h_{l+1}), the input and output of layer l; a block near the identity has BI near 0. Written to
 block_influence.csv and .png, with each layer's rank by BI and by d(l, 1) and the Spearman correlation of the two.
+
+With --logit_lens, the logit lens (utils/logit_lens.py) from the same pass: per layer the KL divergence of the
+model's final next-token distribution from its final norm and LM head applied to the stream after that layer, and
+their top-1 agreement; per token the prediction depth, the first layer from which the top-1 token agrees with the
+final one and stays (its mean, median, 90th percentile and histogram). Written to logit_lens.json.
 """
 from __future__ import annotations
 
@@ -27,7 +32,9 @@ import torch
 from tqdm.auto import tqdm
 
 from peft_pretraining.cli import OneLineErrorParser
+from peft_pretraining.model_parts import decoder_layers
 from utils import model_io
+from utils.logit_lens import LogitLensAccumulator
 
 PAPER_NUM_TOKENS = 256 * 1024  # the paper's count, the default on a GPU
 # The default on a CPU: fits in the embedded held-out novel (about 109K tokens) and takes about a minute for a
@@ -89,14 +96,17 @@ class AngularDistanceAccumulator:
         return 1.0 - (self.adjacent_cosine_sums / self.num_tokens).numpy()
 
 
-def accumulate(model, batches, total_tokens: int | None = None, device=None) -> AngularDistanceAccumulator:
-    """Stream batches of (input_ids, attention_mask) through the model, summing over their real tokens."""
+def accumulate(model, batches, total_tokens: int | None = None, device=None, also=()) -> AngularDistanceAccumulator:
+    """Stream batches of (input_ids, attention_mask) through the model, summing over their real tokens. `also`:
+    further accumulators of the stream (the logit lens), fed the same states in the same pass."""
     stream = model_io.ResidualStream(model)
     device = device if device is not None else next(model.parameters()).device
     accumulator = AngularDistanceAccumulator(stream.num_layers)
     with tqdm(total=total_tokens, unit="tok", desc="angular distance", dynamic_ncols=True) as bar:
         for input_ids, attention_mask in batches:
-            accumulator.update(stream(input_ids.to(device), attention_mask.to(device)))
+            states = stream(input_ids.to(device), attention_mask.to(device))
+            for each in (accumulator, *also):
+                each.update(states)
             bar.update(int(attention_mask.sum()))
     return accumulator
 
@@ -158,6 +168,16 @@ def save_block_influence(influence: np.ndarray, adjacent_distance: np.ndarray, o
     fig.savefig(png_path, dpi=160, bbox_inches="tight")
     plt.close(fig)
     return [csv_path, json_path, png_path], rho
+
+
+def save_logit_lens(lens: dict, output_dir: Path, metadata: dict) -> Path:
+    """logit_lens.json: the lens's per-layer lists (index l - 1 = the stream after layer l) and prediction depths."""
+    path = output_dir / "logit_lens.json"
+    definition = ("per layer l = 1..L, over real tokens: mean KL(p_L || p_l) in nats and the fraction with argmax p_l "
+                  "= argmax p_L, where p_l = softmax(lm_head(final_norm(h_l))) and p_L is the model's own output; a "
+                  "token's prediction depth is the first l from which argmax p_m = argmax p_L for every m >= l")
+    path.write_text(json.dumps(dict(metadata, definition=definition, **lens), indent=1))
+    return path
 
 
 def normalize_rows(matrix: np.ndarray) -> np.ndarray:
@@ -227,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output_dir", default="runs/analysis/angular", help="where the CSV, JSON, PNG and PDF go")
     parser.add_argument("--normalize_rows", action="store_true",
                         help="plot each row min-max scaled to [0, 1] as the reference did (files keep raw values)")
+    parser.add_argument("--logit_lens", action="store_true",
+                        help="also the logit lens, in the same pass: logit_lens.json (KL from the final distribution "
+                             "and top-1 agreement per layer, prediction depth per token)")
     return parser
 
 
@@ -244,7 +267,11 @@ def main(argv: list[str] | None = None) -> np.ndarray:
     max_seq_len = model_io.resolve_context_length(model, args.max_seq_len, fallback=model_io.HUB_STREAM_WINDOW)
     batches = model_io.token_batches(tokenizer, source, max_seq_len, args.num_tokens, args.batch_size)
     try:
-        accumulator = accumulate(model, batches, total_tokens=args.num_tokens, device=device)
+        lens = [LogitLensAccumulator.of_model(model, len(decoder_layers(model)))] if args.logit_lens else []
+    except ValueError as err:  # no final norm or LM head to read the stream out with
+        parser.error(f"--logit_lens: {err}")
+    try:
+        accumulator = accumulate(model, batches, total_tokens=args.num_tokens, device=device, also=lens)
         matrix, num_tokens, influence = accumulator.matrix(), accumulator.num_tokens, accumulator.block_influence()
     except ValueError as err:  # an empty text
         parser.error(f"--text_file/--dataset: {err}")
@@ -265,6 +292,12 @@ def main(argv: list[str] | None = None) -> np.ndarray:
     print(f"[angular] block influence: largest at layers {np.argsort(-influence, kind='stable')[:3].tolist()}, "
           f"smallest at {np.argsort(influence, kind='stable')[:3].tolist()}; Spearman correlation with d(l, 1): "
           f"{rho:.3f}")
+    if lens:
+        lens_result = lens[0].result()
+        written.append(save_logit_lens(lens_result, output_dir, metadata))
+        print(f"[angular] logit lens: the top-1 prediction settles after layer "
+              f"{lens_result['prediction_depth_mean']:.1f} of {matrix.shape[1]} on average; KL from the final "
+              f"distribution after layer 1: {lens_result['lens_kl'][0]:.3f} nats")
     for path in written:
         print(f"wrote {path}")
     return matrix

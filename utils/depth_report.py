@@ -10,9 +10,10 @@ length (utils/model_io.resolve_context_length). From those windows:
 - one pass of the residual stream (utils/model_io.ResidualStream) over the first --num_tokens tokens feeds
   the angular distance d(l, 1) and block influence (utils/angular_analysis.py), the variance
   (utils/variance_analysis.py), the residual update ratio ||h_{l+1} - h_l|| / ||h_l|| (each block's update against the
-  stream it is added to) and the logit lens: the model's own final norm and LM head applied to the stream after every
-  layer, compared with the final layer's next-token distribution (KL(final || layer l), top-1 agreement, and each
-  token's prediction depth: the first layer from which its top-1 token agrees with the final one and stays);
+  stream it is added to) and the logit lens (utils/logit_lens.py): the model's own final norm and LM head applied to
+  the stream after every layer, compared with the final layer's next-token distribution (KL(final || layer l), top-1
+  agreement, and each token's prediction depth: the first layer from which its top-1 token agrees with the final one
+  and stays);
 - the removal cost of each layer (layer_remove.layer_removed): the rise of the next-token loss, in nats per token,
   when that layer is removed, over the first --removal_tokens tokens of the same windows;
 - block Jacobians ||J - I||_F / sqrt(d) (utils/jacobian_analysis.py) at --jacobian_tokens positions sampled from the
@@ -43,6 +44,7 @@ from peft_pretraining.model_parts import decoder_layers
 from utils import model_io
 from utils.angular_analysis import AngularDistanceAccumulator
 from utils.jacobian_analysis import jacobian_summary
+from utils.logit_lens import LogitLensAccumulator, final_readout
 from utils.study.host import cpu_model_name
 from utils.study.measures import CHEAP_REMOVAL_NATS
 from utils.variance_analysis import StreamStatistics
@@ -57,72 +59,7 @@ CPU_STREAM_TOKENS, CPU_REMOVAL_TOKENS, CPU_JACOBIAN_TOKENS = 2048, 512, 8
 # The report's thresholds. Cheap removal is the study's: the loss rises by less than 1% in perplexity.
 NEAR_IDENTITY = 0.1  # a block near the identity: ||J - I||_F / sqrt(d) below this, or an update below 10% of ||x||
 SETTLED_KL_NATS = 0.1  # the logit lens has settled from the first layer after which KL(final || layer) stays below
-# Floats of one [tokens, vocab] slab of the logit lens; bounds its memory whatever the vocabulary.
-LENS_CHUNK_FLOATS = 1 << 24
-
-
-# ----------------------------------------------------------------------------- the two new instruments
-def final_readout(model):
-    """The model's own way from the residual stream to logits: its final norm, then its LM head."""
-    norm = getattr(model.get_decoder(), "norm", None)
-    head = model.get_output_embeddings()
-    if norm is None or head is None:
-        raise ValueError(f"{type(model).__name__}: no final norm at get_decoder().norm or no LM head")
-    dtype = head.weight.dtype
-
-    def readout(states: torch.Tensor) -> torch.Tensor:
-        return head(norm(states.to(dtype))).float()
-
-    return readout
-
-
-class LogitLensAccumulator:
-    """Running sums of the logit lens at depths 1..L (the stream after each layer) over real tokens.
-
-    KL(final || depth l) = sum_v p_L(v) (log p_L(v) - log p_l(v)), where p_l = softmax(head(norm(h_l))); p_L is the
-    model's own next-token distribution. A token's prediction depth is the first l from which argmax p_m equals
-    argmax p_L for every m >= l (L when only the final layer has it)."""
-
-    def __init__(self, readout, num_layers: int, vocab_size: int):
-        self.readout = readout
-        self.num_layers = num_layers
-        self.chunk = max(1, LENS_CHUNK_FLOATS // vocab_size)
-        self.kl_sums = torch.zeros(num_layers, dtype=torch.float64)
-        self.agreement_sums = torch.zeros(num_layers, dtype=torch.float64)
-        self.prediction_depths: list[torch.Tensor] = []
-        self.num_tokens = 0
-
-    @torch.inference_mode()
-    def update(self, states: list[torch.Tensor]) -> None:
-        for start in range(0, states[0].shape[0], self.chunk):
-            final = F.log_softmax(self.readout(states[-1][start:start + self.chunk]), dim=-1)
-            final_top1, final_probs = final.argmax(-1), final.exp()
-            agreements = []
-            for depth in range(1, self.num_layers + 1):
-                lens = F.log_softmax(self.readout(states[depth][start:start + self.chunk]), dim=-1)
-                self.kl_sums[depth - 1] += (final_probs * (final - lens)).sum(-1).double().sum().cpu()
-                agreements.append(lens.argmax(-1) == final_top1)
-            agree = torch.stack(agreements)  # [L, tokens]
-            self.agreement_sums += agree.double().sum(1).cpu()
-            # How many of the last depths agree without a break; the final one always does.
-            agreeing_tail = agree.flip(0).long().cumprod(0).sum(0)
-            self.prediction_depths.append((self.num_layers + 1 - agreeing_tail).cpu())
-            self.num_tokens += agree.shape[1]
-
-    def result(self) -> dict:
-        if self.num_tokens == 0:
-            raise ValueError("no tokens were analysed")
-        depths = torch.cat(self.prediction_depths).numpy()
-        return dict(lens_kl=(self.kl_sums / self.num_tokens).tolist(),
-                    lens_top1_agreement=(self.agreement_sums / self.num_tokens).tolist(),
-                    prediction_depth_mean=float(depths.mean()),
-                    prediction_depth_median=float(np.median(depths)),
-                    prediction_depth_p90=float(np.quantile(depths, 0.9)),
-                    # [l - 1] = fraction of tokens whose prediction depth is l
-                    prediction_depth_histogram=(np.bincount(depths, minlength=self.num_layers + 1)[1:]
-                                                / len(depths)).tolist())
-
-
+# ----------------------------------------------------------------------------- the update ratio
 class UpdateRatioAccumulator:
     """Mean over real tokens of ||h_{l+1} - h_l|| / ||h_l||: how large block l's update is against the stream it is
     added to (0 for an identity block). Accumulated in float64."""
@@ -153,7 +90,7 @@ def measure_stream(model, batches, total_tokens: int | None = None, desc: str = 
     angular = AngularDistanceAccumulator(num_layers)
     statistics = StreamStatistics(num_layers)
     updates = UpdateRatioAccumulator(num_layers)
-    lens = LogitLensAccumulator(final_readout(model), num_layers, model.get_output_embeddings().weight.shape[0])
+    lens = LogitLensAccumulator.of_model(model, num_layers)
     with tqdm(total=total_tokens, unit="tok", desc=desc, dynamic_ncols=True) as bar:
         for input_ids, attention_mask in batches:
             states = stream(input_ids.to(device), attention_mask.to(device))

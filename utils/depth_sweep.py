@@ -90,9 +90,10 @@ PREDICTIONS = [
 ]
 # The paper's mechanism claim is comparative: as models deepen, Pre-LN's deep layers become less effective *than
 # LNS's*. Per deep-layer measure, the direction in which LNS − Pre-LN (and ln(LNS / Pre-LN)) should move with ln L:
-# +1 where a larger value means a more active deep layer, -1 for the variance growth and the cheap-to-remove fraction.
+# +1 where a larger value means a more active deep layer (a later-settling logit lens among them), -1 for the
+# variance growth and the cheap-to-remove fraction.
 COMPARATIVE = {"variance_growth": -1, "angular_deep": +1, "jacobian_deep": +1, "removal_deep": +1,
-               "cheap_removal_fraction": -1, "bi_deep": +1}
+               "cheap_removal_fraction": -1, "bi_deep": +1, "lens_kl_deep": +1, "relative_prediction_depth": +1}
 
 
 def build_parser() -> argparse.ArgumentParser:

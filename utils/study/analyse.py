@@ -1,9 +1,9 @@
 """Every instrument on one checkpoint: the analysis subprocess of a study's job (`runs.run_job`).
 
 The analyses are the repository's own tools, called through their command lines: utils/variance_analysis.py,
-utils/angular_analysis.py, utils/jacobian_analysis.py and layer_remove.py --sweep on the held-out text, all inside
-the trained context length. Internal: `python -m utils.study.analyse --run_dir DIR --steps N [N ...] --settings JSON
---out_json PATH`, from the repository root.
+utils/angular_analysis.py (with the logit lens), utils/jacobian_analysis.py and layer_remove.py --sweep on the
+held-out text, all inside the trained context length. Internal: `python -m utils.study.analyse --run_dir DIR
+--steps N [N ...] --settings JSON --out_json PATH`, from the repository root.
 """
 from __future__ import annotations
 
@@ -70,9 +70,10 @@ def analyse_checkpoint(checkpoint: Path, settings: AnalysisSettings, out_dir: Pa
                                    str(out_dir / "variance")], log)
     variance = json.loads((out_dir / "variance" / "residual_variance.json").read_text())["models"][0]
     _tool(angular_analysis.main, ["--model_path", str(checkpoint), *text, "--num_tokens", str(settings.stream_tokens),
-                                  "--output_dir", str(out_dir / "angular")], log)
+                                  "--logit_lens", "--output_dir", str(out_dir / "angular")], log)
     angular = json.loads((out_dir / "angular" / "angular_distance.json").read_text())["angular_distance"]
     influence = json.loads((out_dir / "angular" / "block_influence.json").read_text())["block_influence"]
+    lens = json.loads((out_dir / "angular" / "logit_lens.json").read_text())
     _tool(jacobian_analysis.main, ["--model_path", str(checkpoint), *text, "--num_tokens",
                                    str(settings.jacobian_tokens), "--probes", str(settings.jacobian_probes),
                                    "--output_dir", str(out_dir / "jacobian")], log)
@@ -91,6 +92,10 @@ def analyse_checkpoint(checkpoint: Path, settings: AnalysisSettings, out_dir: Pa
         angular_next=[None if v is None else float(v) for v in angular[0]],
         angular=angular,
         block_influence=[float(v) for v in influence],
+        # The logit lens after layers 1..L: KL from the final next-token distribution, top-1 agreement with it
+        lens_kl=[float(v) for v in lens["lens_kl"]],
+        lens_top1_agreement=[float(v) for v in lens["lens_top1_agreement"]],
+        prediction_depth_mean=float(lens["prediction_depth_mean"]),
         jacobian_rel_identity_dev=[float(row["rel_identity_dev"]) for row in jacobian],
         jacobian_mean_diag=[float(row["mean_diag"]) if row["mean_diag"] else None for row in jacobian],
         removal_metric=baseline["metric"], removal_baseline=float(baseline["value"]),

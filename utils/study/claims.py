@@ -17,6 +17,14 @@ REMOVAL_CLAIM = "Removing a deep Pre-LN layer costs less than removing a deep LN
 # ShortGPT's block influence, the fifth deep-layer measure (issue 39): judged where the records have it
 BI_CLAIM = ("Deep Pre-LN layers change the stream less: LNS's deep block influence 1 − cos(h_l, h_l+1) is larger",
             "bi_deep", +1, False)
+# The logit lens (issue 50), judged where the records have it: deep Pre-LN layers do less, so its prediction settles
+# earlier in the depth and its deep layers' read-outs are already close to the final distribution.
+LENS_CLAIMS = [
+    ("Deep Pre-LN layers refine the prediction less: LNS's deep-half logit-lens KL from the final distribution is "
+     "larger", "lens_kl_deep", +1, False),
+    ("Pre-LN's prediction settles earlier in the depth: LNS's mean prediction depth / L is larger",
+     "relative_prediction_depth", +1, False),
+]
 
 
 def one_shared_seed_documents(records, a: str, b: str) -> tuple[dict, dict] | None:
@@ -51,8 +59,8 @@ def loss_verdict(records, a: str, b: str, claim: str, labels: tuple[str, str], d
 
 
 def pair_verdicts(records, pre: str, lns: str, labels: tuple[str, str]) -> list[verdicts.Verdict]:
-    """The core claims, the removal claim and (where the records have it) block influence: arm `lns` against arm
-    `pre`, labelled by `labels`."""
+    """The core claims, the removal claim and (where the records have them) block influence and the logit lens: arm
+    `lns` against arm `pre`, labelled by `labels`."""
     loss_claim, _, loss_direction, _ = CORE_CLAIMS[0]
     found = [loss_verdict(records, pre, lns, loss_claim, labels, loss_direction)]
     found += [verdicts.judge_seeds(claim, direction, by_seed(records, pre, measure), by_seed(records, lns, measure),
@@ -65,10 +73,10 @@ def pair_verdicts(records, pre: str, lns: str, labels: tuple[str, str]) -> list[
         found[-1] = documents_note(verdicts.judge_layer_removal_documents(
             REMOVAL_CLAIM, documents[0]["removal_deep"], documents[1]["removal_deep"], labels),
             "the deep-half removal cost (nats/word)")
-    claim, measure, direction, log_ratio = BI_CLAIM
-    influence = by_seed(records, pre, measure), by_seed(records, lns, measure)
-    if any(v is not None for arm in influence for v in arm.values()):
-        found.append(verdicts.judge_seeds(claim, direction, *influence, labels, log_ratio=log_ratio))
+    for claim, measure, direction, log_ratio in [BI_CLAIM, *LENS_CLAIMS]:
+        values = by_seed(records, pre, measure), by_seed(records, lns, measure)
+        if any(v is not None for arm in values for v in arm.values()):
+            found.append(verdicts.judge_seeds(claim, direction, *values, labels, log_ratio=log_ratio))
     return found
 
 

@@ -29,6 +29,12 @@ def summarise_analysis(analysis: dict) -> dict:
         norm_gain_mean=float(np.mean(gains)) if gains else float("nan"),
         bi_deep=float(np.mean(deep_half(analysis["block_influence"]) or [float("nan")]))
         if "block_influence" in analysis else float("nan"),
+        # Entry l - 1 of lens_kl is the stream after layer l, so the deep half ends with the final layer's 0, as in
+        # utils/depth_report.py's lens_kl_deep.
+        lens_kl_deep=float(np.mean(deep_half(analysis["lens_kl"]) or [float("nan")]))
+        if "lens_kl" in analysis else float("nan"),
+        relative_prediction_depth=analysis["prediction_depth_mean"] / len(analysis["lens_kl"])
+        if "lens_kl" in analysis else float("nan"),
     )
 
 
@@ -56,9 +62,12 @@ MEASURES = {
     "jacobian_deep": "deep-half ‖J − I‖_F / √d",
     "norm_gain_mean": "mean norm gain (all layers)",
     "bi_deep": "deep-half block influence 1 − cos(h_l, h_l+1)",
+    "lens_kl_deep": "deep-half logit-lens KL from the final distribution (nats)",
+    "relative_prediction_depth": "mean prediction depth / L (logit lens)",
 }
 
-LATER_MEASURES = ("bi_deep",)  # records analysed before a measure existed lack it
+# records analysed before a measure existed lack it
+LATER_MEASURES = ("bi_deep", "lens_kl_deep", "relative_prediction_depth")
 
 
 def measures_in(records: dict[str, dict]) -> dict[str, str]:
