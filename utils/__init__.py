@@ -6,6 +6,8 @@ Layer analyses (docs/analyses.md), on our checkpoints and on Hugging Face causal
     variance_analysis   variance and RMS of the residual stream at every depth
     jacobian_analysis   how far each block's Jacobian is from the identity
     depth_report        every instrument above on the same tokens, with the logit lens and update ratio, in one report
+    logit_lens          the logit lens: each layer's stream read out through the final norm and head (a module the
+                        angular tool's --logit_lens and depth_report share)
     (layer removal is layer_remove.py at the repository root)
 
 Studies (docs/study.md), Pre-LN against LNS and the other placements, trained and measured end to end:
