@@ -125,7 +125,7 @@ def study_section_paragraphs(heading: str) -> list[tuple[str, list[str]]]:
     return [(part, reports) for part in re.split(r"\n\s*\n|\n(?=- )", section) if DECIMAL.search(part)]
 
 
-STUDY_SECTIONS = ["What the depth sweep found", "What the width sweep found"]
+STUDY_SECTIONS = ["What the depth sweep found", "What the width sweep found", "What the Wikipedia pilot found so far"]
 
 
 @pytest.mark.parametrize("heading", STUDY_SECTIONS)
