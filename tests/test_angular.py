@@ -107,6 +107,7 @@ def _input_of_final_norm(model, input_ids):
     return captured["h"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("build", [lambda: tiny_hf_llama(4), lambda: tiny_ours("lns", 4)], ids=["hf", "ours"])
 def test_hooks_capture_the_stream_before_the_final_norm(build):
     model = build()
@@ -128,6 +129,7 @@ def test_accumulator_rejects_the_wrong_number_of_states():
         AngularDistanceAccumulator(3).update([torch.ones(2, 4)] * 3)
 
 
+@pytest.mark.e2e
 def test_cli_writes_matrix_and_heatmap_offline(tmp_path):
     model_dir = save_with_tokenizer(tiny_ours("lns", 3), tmp_path / "model")
     text = write_jsonl(tmp_path / "text.jsonl", heldout_documents(4))

@@ -5,6 +5,7 @@ import pytest
 from utils import benchmark_model
 
 
+@pytest.mark.e2e
 def test_quick_model_benchmark_writes_every_variant(tmp_path):
     benchmark_model.main(["--quick", "--sections", "model", "--before", "HEAD", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "benchmark.json").read_text())
@@ -25,6 +26,7 @@ def test_bad_flags_exit_2(flag, value, tmp_path, capsys):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.e2e
 def test_trainer_runs_with_the_study_flags(tmp_path, monkeypatch):
     """The trainer section times what the study runs: every flag of the study's Pre-LN run (packing, dtype, batch,
     optimizer...) except the budget flags the benchmark sets itself, eager and compiled."""
@@ -62,6 +64,7 @@ def test_trainer_runs_with_the_study_flags(tmp_path, monkeypatch):
     assert report["ratios"]["trainer as its study flags run it: after compile / before compile"] == 1.0
 
 
+@pytest.mark.e2e
 def test_quick_trainer_benchmark_runs_the_real_trainer(tmp_path):
     benchmark_model.main(["--quick", "--sections", "trainer", "--before", "HEAD", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "benchmark.json").read_text())["trainer"]
@@ -69,7 +72,7 @@ def test_quick_trainer_benchmark_runs_the_real_trainer(tmp_path):
     assert all(row["tokens_per_s_median"] > 0 for row in rows)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_quick_layout_benchmark_runs_both_layouts(tmp_path):
     benchmark_model.main(["--quick", "--sections", "layout", "--layout_cores", "2", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "benchmark.json").read_text())
@@ -80,6 +83,7 @@ def test_quick_layout_benchmark_runs_both_layouts(tmp_path):
     assert (tmp_path / "layout.csv").read_text().startswith("layout,")
 
 
+@pytest.mark.e2e
 def test_before_flags_own_runs_each_tree_with_its_own_study(tmp_path, monkeypatch):
     """With --before_flags own the before tree trains the study as it ran then: a447e53's study used bf16 autocast
     ("mixed"), padded batches and eager mode; today's uses mixed, packing and --compile."""
@@ -140,6 +144,7 @@ def test_fastest_against_fastest_looks_across_dtypes_and_hf_attention():
     assert out["c.json float32: ours fastest (float32 compiled) / hf fastest compiled (hf float32)"] == 0.6
 
 
+@pytest.mark.e2e
 def test_quick_attention_section_times_every_kernel(tmp_path):
     benchmark_model.main(["--quick", "--sections", "attention", "--dtypes", "float32", "mixed", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "benchmark.json").read_text())["attention"]
@@ -149,6 +154,7 @@ def test_quick_attention_section_times_every_kernel(tmp_path):
     assert (tmp_path / "attention.csv").read_text().startswith("shape,")
 
 
+@pytest.mark.e2e
 def test_quick_profile_lists_the_costliest_ops_of_each_variant(tmp_path):
     benchmark_model.main(["--quick", "--sections", "profile", "--dtypes", "float32", "--profile_top", "5",
                           "--out", str(tmp_path)])
@@ -160,7 +166,7 @@ def test_quick_profile_lists_the_costliest_ops_of_each_variant(tmp_path):
     assert (tmp_path / "profile.csv").read_text().startswith("config,")
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_compiled_profile_names_inductors_kernels(tmp_path):
     benchmark_model.main(["--sections", "profile", "--shapes", "configs/llama_tiny.json:2:32", "--dtypes", "mixed",
                           "--modes", "compiled", "--steps", "1", "--profile_top", "40", "--out", str(tmp_path)])

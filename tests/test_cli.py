@@ -30,6 +30,7 @@ def test_every_entry_point_parses_with_one_line_errors(module_name, capsys):
     assert err.count("\n") == 1 and "error: " in err and " --" in err and "usage:" not in err, err
 
 
+@pytest.mark.e2e
 def test_a_script_run_from_the_shell_prints_one_line():
     result = subprocess.run([sys.executable, "utils/jacobian_analysis.py", "--probes", "many"], cwd=REPO,
                             capture_output=True, text=True)

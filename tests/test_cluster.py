@@ -56,7 +56,7 @@ def wait_for_rows(run_dir: Path, proc: subprocess.Popen, count: int):
 
 
 @pytest.mark.parametrize("nproc, stop_signal", [(1, signal.SIGTERM), (2, signal.SIGUSR1)])
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_stop_signal_saves_and_the_same_command_resumes_exactly(nproc, stop_signal, tmp_path):
     """The signal goes to the job's script (as `kill` or SLURM's --signal=B:USR1 sends it); with two ranks it
     reaches them through torchrun. Every rank finishes its update, the run saves, says so in results.json and
@@ -172,6 +172,7 @@ def test_a_recipe_compiles_on_cuda_and_not_on_the_cpu(monkeypatch, capsys):
     assert capsys.readouterr().out.split() == ["1", "0"]  # the user's flags come last and win
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("script, env", [("run_1b.sh", {}), ("run_130m.sh", {"NPROC": "2"}),
                                          ("run_350m.sh", {"NPROC": "0"})])
 def test_gpu_recipes_on_a_machine_without_cuda_are_one_line_and_exit_2(script, env):
@@ -184,6 +185,7 @@ def test_gpu_recipes_on_a_machine_without_cuda_are_one_line_and_exit_2(script, e
     assert not (REPO / "runs" / "1b_lns_lr5e-4").exists()
 
 
+@pytest.mark.e2e
 def test_a_recipe_without_arguments_is_a_usage_line():
     proc = subprocess.run(["bash", "run_130m.sh"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.strip() == (

@@ -58,12 +58,14 @@ def assert_inside_trained_context(lengths):
     assert max(lengths) == TRAINED_LENGTH, sorted(set(lengths))  # never more, and the text did fill whole windows
 
 
+@pytest.mark.e2e
 def test_trainer_records_the_trained_length_in_the_checkpoint(trained_checkpoint):
     config = json.loads((trained_checkpoint / "config.json").read_text())
     assert config["train_max_length"] == TRAINED_LENGTH
     assert config["max_position_embeddings"] > TRAINED_LENGTH  # so the default would have gone past it
 
 
+@pytest.mark.e2e
 def test_removal_sweep_through_lm_eval_stays_inside(trained_checkpoint, long_text, tmp_path, forward_lengths,
                                                     capsys):
     layer_remove.main(["--model_path", str(trained_checkpoint), "--sweep", "--tasks", "heldout_novel_ppl",
@@ -74,6 +76,7 @@ def test_removal_sweep_through_lm_eval_stays_inside(trained_checkpoint, long_tex
     assert json.loads((tmp_path / "sweep" / "layer_removal.json").read_text())["max_seq_len"] == TRAINED_LENGTH
 
 
+@pytest.mark.e2e
 def test_single_removal_keeps_the_length_and_prints_it_for_lm_eval(trained_checkpoint, tmp_path, capsys):
     save_path = tmp_path / "pruned"
     layer_remove.main(["--model_path", str(trained_checkpoint), "--layer_index", "1", "--save_path", str(save_path)])
@@ -81,6 +84,7 @@ def test_single_removal_keeps_the_length_and_prints_it_for_lm_eval(trained_check
     assert f"max_length={TRAINED_LENGTH}" in capsys.readouterr().out
 
 
+@pytest.mark.e2e
 def test_angular_tool_stays_inside(trained_checkpoint, long_text, tmp_path, forward_lengths):
     angular_analysis.main(["--model_path", str(trained_checkpoint), "--text_file", str(long_text),
                            "--num_tokens", "300", "--batch_size", "4", "--output_dir", str(tmp_path / "angular")])
@@ -88,18 +92,21 @@ def test_angular_tool_stays_inside(trained_checkpoint, long_text, tmp_path, forw
     assert json.loads((tmp_path / "angular" / "angular_distance.json").read_text())["max_seq_len"] == TRAINED_LENGTH
 
 
+@pytest.mark.e2e
 def test_variance_tool_stays_inside(trained_checkpoint, long_text, tmp_path, forward_lengths):
     variance_analysis.main(["--model_paths", str(trained_checkpoint), "--text_file", str(long_text),
                             "--num_tokens", "300", "--batch_size", "4", "--output_dir", str(tmp_path / "variance")])
     assert_inside_trained_context(forward_lengths)
 
 
+@pytest.mark.e2e
 def test_finetune_evaluation_stays_inside(trained_checkpoint, tmp_path, forward_lengths):
     finetune.run(["--model_path", str(trained_checkpoint), "--eval_only", "--eval_tasks", "heldout_novel_ppl",
                   "--eval_limit", "2", "--eval_batch_size", "4", "--output_dir", str(tmp_path / "sft")])
     assert_inside_trained_context(forward_lengths)
 
 
+@pytest.mark.e2e
 def test_max_seq_len_overrides_and_warns_past_the_trained_length(trained_checkpoint, long_text, tmp_path,
                                                                  forward_lengths, capsys):
     angular_analysis.main(["--model_path", str(trained_checkpoint), "--text_file", str(long_text),
@@ -138,6 +145,7 @@ def test_stream_tools_never_pass_a_hub_models_max_position_embeddings(tmp_path, 
     assert_inside_trained_context(forward_lengths)
 
 
+@pytest.mark.e2e
 def test_resolve_context_length_reads_a_config_dict(trained_checkpoint):
     config = model_io.read_local_config(trained_checkpoint)
     assert model_io.resolve_context_length(config, None, log=lambda line: None) == TRAINED_LENGTH
@@ -154,6 +162,7 @@ def test_export_to_hf_llama_keeps_the_trained_length():
     assert export_to_hf_llama(model).config.train_max_length == TRAINED_LENGTH
 
 
+@pytest.mark.e2e
 def test_a_fine_tuned_model_keeps_the_trained_length(trained_checkpoint, tmp_path):
     records = [{"instruction": f"Name colour {i}.", "input": "", "output": f"colour {i}", "answer": f"{i}"}
                for i in range(4)]

@@ -90,6 +90,7 @@ def test_vocab_check_and_split_names(tokenizer):
         data.embedded_split_path("test")
 
 
+@pytest.mark.e2e
 def test_validation_novel_is_held_out():
     def sources(split):
         with gzip.open(data.embedded_split_path(split), "rt", encoding="utf-8") as f:
@@ -364,6 +365,7 @@ def decoded_documents(tokenizer, batches):
             for b in batches for row, mask in zip(b["input_ids"], b["attention_mask"])}
 
 
+@pytest.mark.e2e
 @pytest.mark.filterwarnings("ignore:the validation split gives")
 def test_local_jsonl_folder_with_validation_file(tmp_path, tokenizer):
     write_jsonl(tmp_path / "corpus" / "part-0.jsonl", sentences(10, "train"))
@@ -377,6 +379,7 @@ def test_local_jsonl_folder_with_validation_file(tmp_path, tokenizer):
     assert val == set(sentences(6, "val"))
 
 
+@pytest.mark.e2e
 def test_local_txt_without_validation_holds_out_a_slice(tmp_path, tokenizer):
     texts = sentences(80, "para")
     (tmp_path / "books").mkdir()
@@ -499,6 +502,7 @@ def test_empty_documents_get_no_row_and_a_corpus_of_them_is_an_error(tmp_path, t
                                     world_size=1))
 
 
+@pytest.mark.e2e
 def test_a_stream_saved_with_one_tokenizer_does_not_resume_with_another(tmp_path, tokenizer):
     from utils.offline_fixtures import write_t5_style_tokenizer
 

@@ -145,6 +145,7 @@ def test_removal_cost_is_the_loss_of_the_pruned_model(build):
     assert any(abs(cost) > 1e-3 for cost in result["removal_cost"])
 
 
+@pytest.mark.e2e
 def test_two_models_one_report_offline(tmp_path):
     ours = tiny_ours("lns", 3)
     ours.config.train_max_length = 32

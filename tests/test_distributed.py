@@ -16,6 +16,8 @@ from safetensors.torch import load_file
 
 from tests.conftest import run_trainer
 
+pytestmark = pytest.mark.e2e  # every test here starts a process
+
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 4
 COMMON = ["--model_config", "configs/llama_tiny.json", "--dataset", "embedded", "--max_length", "32",

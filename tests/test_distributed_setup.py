@@ -57,6 +57,7 @@ FSDP_DTYPES = {"mixed": ("torch.bfloat16", "torch.float32", "torch.float32"),
                "float32": ("torch.float32", "torch.float32", "torch.float32")}
 
 
+@pytest.mark.e2e
 def test_fsdp2_precision_by_dtype_on_two_gloo_ranks():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

@@ -77,6 +77,7 @@ def without_mask(inputs: dict) -> dict:
     return {k: v for k, v in inputs.items() if k != "attention_mask"}  # what the trainer does with such a batch
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("padded", [True, False], ids=["right_padded", "unpadded"])
 def test_fast_path_matches_reference_in_fp32(padded):
     ours, reference = models()
@@ -85,6 +86,7 @@ def test_fast_path_matches_reference_in_fp32(padded):
     assert max(fast.values()) < 1e-5, fast
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("padded", [True, False], ids=["right_padded", "unpadded"])
 def test_fast_path_matches_reference_under_bf16_autocast(padded):
     """Against the fp32 result, the fast path under autocast errs no more than HF's own autocast step does."""
@@ -98,6 +100,7 @@ def test_fast_path_matches_reference_under_bf16_autocast(padded):
     assert fast["worst_grad"] < 5e-2, fast
 
 
+@pytest.mark.e2e
 def test_the_comparison_sees_a_missing_mask():
     """Dropping the mask of a left-padded batch would change the loss: real tokens would then see pads."""
     ours, _ = models()
@@ -133,6 +136,7 @@ def test_padded_positions_stay_finite(with_mask):
     assert torch.isfinite(out.logits).all() and torch.isfinite(out.loss)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("norm_type", modeling_llama.NORM_TYPES)
 def test_compiled_model_has_no_graph_break(norm_type):
     """Every placement, in fp32 (SDPA: the kernel CUDA runs) and under bf16 autocast (CPU's plain attention), with and
@@ -196,6 +200,7 @@ def test_padded_mlp_steps_aside_for_hooks(monkeypatch):
     assert seen == [(2, 3, 173)]
 
 
+@pytest.mark.e2e
 def test_compiled_step_reads_the_rope_tables_instead_of_computing_them():
     """Tables computed inside forward are inlined by inductor into every q and k kernel, forward and backward, so
     cos and sin ran per element in every layer (about 10% of the compiled CPU step). The step must load them."""
@@ -216,6 +221,7 @@ def test_compiled_step_reads_the_rope_tables_instead_of_computing_them():
     assert not computed, f"the compiled step computes {computed}"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("dtype, expected_kernel", [("mixed", "plain"), ("float32", "flash")])
 def test_cpu_attention_kernel_follows_dtype(dtype, expected_kernel):
     model = LlamaForCausalLM(build_config(TINY)).train()
@@ -275,6 +281,7 @@ def reuse_probe(mode: str, steps: int = 16, **env) -> tuple[str, int]:
     return kept, int(faults)
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator only")
 def test_freed_host_memory_is_reused_without_new_page_faults():
     _, faults_by_default = reuse_probe("system")

@@ -27,6 +27,8 @@ from peft_pretraining import checkpointing, run_folder
 from peft_pretraining.exit_codes import ExitCode
 from tests.conftest import ONE_THREAD, TINY_RUN
 
+pytestmark = pytest.mark.e2e  # every test here starts a process
+
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 6
 RUN = [*TINY_RUN, "--eval_tokens", "200", "--lr", "3e-3", "--warmup_steps", "1", "--num_training_steps", str(STEPS),

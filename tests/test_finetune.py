@@ -93,6 +93,7 @@ def test_prompt_tokens_are_masked(tokenizer):
     assert ((batch["attention_mask"] == 0) <= (batch["labels"] == IGNORE_INDEX)).all()
 
 
+@pytest.mark.e2e
 def test_lora_with_lns_on_hf_llama(tmp_path, hf_llama_dir, instruction_file, tokenizer):
     batch = _fixed_batch(tokenizer)
     base = apply_layernorm_scaling(AutoModelForCausalLM.from_pretrained(hf_llama_dir))
@@ -237,6 +238,7 @@ def test_offline_auto_tasks_are_decided_by_probing_the_hub(monkeypatch):
     assert args.eval_tasks == [NEXT_SENTENCE_TASK]
 
 
+@pytest.mark.e2e
 def test_overwrite_replaces_the_earlier_run(tmp_path, hf_llama_dir, instruction_file):
     out = tmp_path / "run"
     argv = ["--model_path", hf_llama_dir, "--tokenizer", TOKENIZER, "--dataset", instruction_file, "--finetune",
@@ -265,6 +267,7 @@ def test_each_offline_flag_alone_means_the_hub_is_not_used(flag, monkeypatch):
     assert not model_io.hub_is_reachable()
 
 
+@pytest.mark.e2e
 def test_export_of_a_checkpoint_saved_with_lns_hooks_folds_them(tmp_path, hf_llama_dir):
     import subprocess
     import sys

@@ -14,7 +14,7 @@ from utils import gpu_check
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_the_gpu_lease_rehearses_every_stage_on_the_cpu(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")

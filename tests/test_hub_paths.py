@@ -54,6 +54,7 @@ def test_c4_stream_gives_each_rank_its_own_documents(c4_folder, t5_folder):
     assert not (firsts[0] == firsts[1]).all()
 
 
+@pytest.mark.e2e
 def test_trainer_runs_on_the_c4_folder_with_the_t5_style_tokenizer_on_two_gloo_ranks(c4_folder, t5_folder, tmp_path):
     run_dir = tmp_path / "run"
     flags = ["--model_config", "configs/llama_tiny.json", "--dataset", str(c4_folder), "--dataset_config", C4_CONFIG,

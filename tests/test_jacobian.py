@@ -183,6 +183,7 @@ def test_token_sampling():
     assert [len(sample.positions) for sample in topped_up] == [20, 10]
 
 
+@pytest.mark.e2e
 def test_summary_for_the_study_in_process():
     model = tiny_ours("pre", num_layers=3)
     windows = model_io.token_windows(repo_tokenizer(), heldout_documents(2), 32, 10 ** 9)
@@ -197,6 +198,7 @@ def _read_csv(path):
         return next(reader), list(reader)
 
 
+@pytest.mark.e2e
 def test_cli_on_our_checkpoint_uses_the_trained_context(tmp_path):
     model = tiny_ours("lns", num_layers=3)
     model.config.train_max_length = 16
@@ -219,6 +221,7 @@ def test_cli_on_our_checkpoint_uses_the_trained_context(tmp_path):
         assert (out / name).stat().st_size > 0
 
 
+@pytest.mark.e2e
 def test_cli_on_an_hf_llama_with_probes_and_two_models(tmp_path):
     first = save_with_tokenizer(tiny_hf_llama(num_layers=2, seed=0), tmp_path / "a")
     second = save_with_tokenizer(tiny_hf_llama(num_layers=2, seed=1), tmp_path / "b")

@@ -64,6 +64,7 @@ HF_CASES = {
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", HF_CASES)
 @pytest.mark.parametrize("index", [0, 2])
 def test_hf_pruned_logits_equal_a_model_built_without_the_layer(case, index):
@@ -178,6 +179,7 @@ def test_cli_out_of_range_and_occupied_save_path_errors(tmp_path, capsys):
     assert (model_dir / "config.json").is_file()
 
 
+@pytest.mark.e2e
 def test_cli_removes_a_layer_and_prints_the_lm_eval_command(tmp_path):
     model_dir = save_with_tokenizer(tiny_ours("post_pre", num_layers=4, post_num=1), tmp_path / "model")
     save_path = tmp_path / "pruned"
@@ -195,6 +197,7 @@ def test_cli_removes_a_layer_and_prints_the_lm_eval_command(tmp_path):
     assert (save_path / "tokenizer.json").is_file()
 
 
+@pytest.mark.e2e
 def test_sweep_runs_end_to_end_through_lm_eval_offline(tmp_path):
     model_dir = save_with_tokenizer(tiny_ours("lns", num_layers=2), tmp_path / "model")
     text = write_jsonl(tmp_path / "heldout.jsonl", [document[:500] for document in heldout_documents(3)])
@@ -220,6 +223,7 @@ def test_sweep_runs_end_to_end_through_lm_eval_offline(tmp_path):
     assert (out / "layer_removal.png").stat().st_size > 0
 
 
+@pytest.mark.e2e
 def test_sweep_per_document_values_add_up_to_the_reported_perplexity(tmp_path):
     model_dir = save_with_tokenizer(tiny_ours("pre", num_layers=2), tmp_path / "model")
     text = write_jsonl(tmp_path / "heldout.jsonl", [document[:400] for document in heldout_documents(3)])
@@ -238,6 +242,7 @@ def test_sweep_per_document_values_add_up_to_the_reported_perplexity(tmp_path):
         assert "documents" not in next(csv.DictReader(handle))
 
 
+@pytest.mark.e2e
 def test_a_second_sweep_into_the_same_folder_is_refused_and_a_killed_sweep_keeps_its_rows(tmp_path, monkeypatch,
                                                                                           capsys):
     import layer_remove
@@ -348,6 +353,7 @@ def test_the_heldout_task_states_its_aggregations(tmp_path, caplog):
     assert task.higher_is_better() == {"word_perplexity": False, "byte_perplexity": False, "bits_per_byte": False}
 
 
+@pytest.mark.e2e
 def test_a_fresh_checkpoint_loads_its_tokenizer_with_no_question_and_no_model_type_warning(tmp_path):
     """AutoTokenizer reads the folder's config.json through AutoConfig first. For a model type stock transformers
     does not know, whose auto_map names the checkpoint's code, that asks "Do you wish to run the custom code? [y/N]"

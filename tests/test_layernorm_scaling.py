@@ -98,6 +98,7 @@ def test_names_unchanged_no_parameters_and_survives_save_pretrained(tmp_path, to
     torch.testing.assert_close(_logits(copy.deepcopy(model), tokens), scaled, atol=0, rtol=0)
 
 
+@pytest.mark.e2e
 def test_remove_restores_original_and_fold_is_exact(tmp_path, tokens):
     model = _tiny(LlamaForCausalLM, LlamaConfig)
     original = _logits(model, tokens)
@@ -121,6 +122,7 @@ def test_remove_restores_original_and_fold_is_exact(tmp_path, tokens):
     torch.testing.assert_close(_logits(reloaded, tokens), scaled, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "model_cls, config_cls",
     [(MistralForCausalLM, MistralConfig), (Qwen2ForCausalLM, Qwen2Config), (Qwen3ForCausalLM, Qwen3Config)],

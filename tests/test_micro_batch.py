@@ -35,7 +35,7 @@ def one_update(tmp_path, micro_batch: int, extra=()) -> tuple[float, dict[str, t
     return update.loss, grads
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_one_update_is_the_same_at_accumulation_8_2_and_1_and_with_the_chunked_loss(one_rank_group, tmp_path,
                                                                                    monkeypatch):
     monkeypatch.setattr(head_losses, "CHUNK_TOKENS", 300)  # 2,048 tokens a micro-batch: 7 chunks, the last short

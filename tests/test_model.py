@@ -34,6 +34,7 @@ def random_tokens(batch=2, length=24, vocab=8192, seed=1):
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("init_method", INIT_METHODS)
 @pytest.mark.parametrize("norm_type", NORM_TYPES)
 def test_every_variant_trains(norm_type, init_method):
@@ -218,7 +219,9 @@ def test_unknown_norm_type_lists_choices():
     assert all(name in str(error.value) for name in NORM_TYPES)
 
 
-@pytest.mark.parametrize("norm_type", NORM_TYPES)
+# Pre-LN and LNS in the fast tier, every placement in the end-to-end tier.
+@pytest.mark.parametrize("norm_type", [pytest.param(norm, marks=() if norm in ("pre", "lns") else pytest.mark.e2e)
+                                       for norm in NORM_TYPES])
 def test_save_and_load_round_trip(norm_type, tmp_path):
     model = tiny_model(norm_type)
     model.save_pretrained(tmp_path)
@@ -235,6 +238,7 @@ def test_save_and_load_round_trip(norm_type, tmp_path):
     torch.testing.assert_close(plain(tokens).logits, expected, rtol=0, atol=0)
 
 
+@pytest.mark.e2e
 def test_a_checkpoint_loads_where_this_repository_is_not_importable(tmp_path):
     """With trust_remote_code=True the checkpoint's copy of the model file is all a loader needs (lm-eval elsewhere):
     transformers refuses a copy that imports a package it cannot find."""
@@ -316,7 +320,7 @@ def test_frozen_plan_keeps_layer_factors_after_removal():
     assert [layer.attn_residual.scale for layer in pruned.model.layers] == pytest.approx([1.0, 3**-0.5, 4**-0.5])
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_export_cli(tmp_path):
     model = tiny_model("lns")
     model.save_pretrained(tmp_path / "ckpt")
@@ -338,6 +342,7 @@ def test_export_cli(tmp_path):
         assert result.returncode == 2 and flag in result.stderr.strip().splitlines()[-1], result.stderr[-500:]
 
 
+@pytest.mark.e2e
 def test_activation_checkpointing_gives_the_same_gradients():
     tokens = random_tokens()
     grads = []
@@ -458,7 +463,7 @@ def test_the_model_tells_transformers_that_its_attention_is_sdpa(tmp_path):
     assert loaded.config._attn_implementation == "sdpa"
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_export_copies_the_tokenizer_without_a_question_or_a_model_type_warning(tmp_path):
     from transformers import AutoTokenizer
 

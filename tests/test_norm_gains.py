@@ -33,6 +33,7 @@ def checkpoint_norms(checkpoint: Path) -> dict:
             if "norm" in name}
 
 
+@pytest.mark.e2e
 def test_mixed_precision_logs_every_layers_mean_gain_and_plots_it(tmp_path):
     run_dir = tmp_path / "mixed"
     proc = train(run_dir, "mixed", "3e-3", steps=4, eval_every=2)
@@ -50,6 +51,7 @@ def test_mixed_precision_logs_every_layers_mean_gain_and_plots_it(tmp_path):
     assert (run_dir / "norm_gains.png").stat().st_size > 1000
 
 
+@pytest.mark.e2e
 def test_pure_bf16_at_lr_1e_3_prints_one_note_and_the_gains_stay_exactly_one(tmp_path):
     run_dir = tmp_path / "bf16"
     proc = train(run_dir, "bfloat16", "1e-3", steps=2, eval_every=2)

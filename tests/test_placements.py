@@ -250,6 +250,7 @@ def tanh_input(norm, x):
         return torch.atanh(norm(x).double())
 
 
+@pytest.mark.e2e
 def test_bhyt_bounds_the_tanh_input_whatever_the_scale_of_the_stream():
     """BHyT's bound: before attention the tanh input has RMS lambda / kappa over the channels of every token, so every
     entry is within lambda * sqrt(d) / kappa, for a residual stream of any scale (deep Pre-LN streams grow by orders

@@ -21,12 +21,14 @@ def run_tiny(*flags, nproc=2, timeout=180):
                           timeout=timeout, stdin=subprocess.DEVNULL)
 
 
+@pytest.mark.e2e
 def test_run_tiny_under_torchrun_exits_2_on_a_bad_flag(tmp_path):
     proc = run_tiny(*FEW_STEPS, "--no_such_flag", "--save_dir", str(tmp_path / "run"))
     assert proc.returncode == ExitCode.BAD_INPUT, proc.stderr[-2000:]
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.e2e
 def test_run_tiny_under_torchrun_exits_3_on_divergence_with_results_written(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_tiny(*FEW_STEPS, "--lr", "1e39", "--save_dir", str(run_dir))
@@ -35,6 +37,7 @@ def test_run_tiny_under_torchrun_exits_3_on_divergence_with_results_written(tmp_
     assert results["status"] == "diverged" and results["step"] < 4
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("command", [["bash", "utils/gpu_smoke.sh", "{out}"],
                                      ["bash", "utils/gpu_check.sh", "{out}"],
                                      [sys.executable, "utils/benchmark_gpu.py", "--json", "{out}"]])
@@ -114,6 +117,7 @@ def test_gpu_check_report_reads_the_trainers_rows_and_judges_the_targets(tmp_pat
     assert json.loads((tmp_path / "gpu_check.json").read_text())["stages"]["recipe_1b_pre"]["mfu"] == rates["mfu"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("given, expected", [(None, "1"), ("3", "3")])
 def test_run_tiny_uses_one_thread_unless_told_otherwise(given, expected, tmp_path):
     """Beside other work two threads made the quick start 9x slower (25:56 against 2:53); alone they bought nothing."""
@@ -128,6 +132,7 @@ def test_run_tiny_uses_one_thread_unless_told_otherwise(given, expected, tmp_pat
     assert f"threads={expected}\n" in proc.stdout
 
 
+@pytest.mark.e2e
 def test_run_tiny_without_a_norm_type_is_bad_input():
     proc = subprocess.run(["bash", "run_tiny.sh"], cwd=REPO, capture_output=True, text=True, timeout=60,
                           stdin=subprocess.DEVNULL)

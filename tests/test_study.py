@@ -98,7 +98,7 @@ def test_a_run_that_diverged_at_an_analysed_step_keeps_its_record():
     assert not runs.record_matches(dict(record, status="finished"), spec, settings)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_diverged_run_is_not_redone_by_the_next_invocation(tmp_path):
     """End to end: a run that diverges at its first analysed step is reused from its record, and --report_only
     finds it."""
@@ -329,7 +329,7 @@ def test_depth_sweep_bad_input_is_one_line(capsys):
     assert "--depths" in capsys.readouterr().err
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_depth_sweep_quick_end_to_end_then_reuses_every_record(tmp_path):
     """In float32 and eager, the quick path everywhere alike (CI's smoke run of compare_norms takes the defaults)."""
     out, runs = tmp_path / "report", tmp_path / "runs"
@@ -403,7 +403,7 @@ def test_overfit_point_finds_the_lowest_eval_and_whether_the_loss_rose_after_it(
     assert depth_sweep.train_loss_between_evals(probe) == [5.5, 3.0]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("stopped_by", ["a kill", "a signal"])
 def test_an_interrupted_run_resumes_from_its_last_checkpoint(stopped_by, tmp_path, monkeypatch):
     """Killed, a run leaves no results.json; stopped by SIGTERM (a session's end), the trainer saves, writes
@@ -838,17 +838,17 @@ def test_comparative_depth_verdicts_tell_a_narrowing_gap_from_a_growing_ratio():
     assert words.startswith("**Depth pays here**") and summary["lowest_at"] == {"pre": 48, "lns": 48}
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_study_runs_again_into_a_new_report_folder_over_the_same_runs(tmp_path):
     """Issue 46: a report folder moved or deleted, then the study run again over the same runs folder. The second
     invocation reuses the training and redoes the analysis cleanly (it was refused: layer_remove.py found its own
     earlier sweep), and the analysis gives the same numbers. The depth sweep's first quick run, as a user runs it;
     compare_norms and width_sweep go through the same runs.run_job (the next test covers all three)."""
-    runs = tmp_path / "runs"
+    runs_dir = tmp_path / "runs"
 
     def first_spec_into(report):
         args = depth_sweep.parse_args(["--quick", "--dtype", "float32", "--no-compile", "--out", str(report),
-                                       "--runs_dir", str(runs)])
+                                       "--runs_dir", str(runs_dir)])
         records, skipped = runs.collect_records(args, depth_sweep.run_specs(args)[:1])
         assert not skipped
         return next(iter(records.values()))

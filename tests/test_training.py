@@ -54,6 +54,7 @@ def shared_run(tmp_path_factory):
 # End to end
 # --------------------------------------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_compile_flag_trains_like_eager(shared_run, tmp_path):
     eager_dir, _ = shared_run
     flags = [*TINY, "--lr", "3e-3", "--warmup_steps", "2", "--num_training_steps", "3", "--eval_every", "3",
@@ -69,6 +70,7 @@ def test_compile_flag_trains_like_eager(shared_run, tmp_path):
     assert all(math.isfinite(loss) for loss in compiled)
 
 
+@pytest.mark.e2e
 def test_tiny_run_lowers_eval_loss_and_fills_the_run_folder(shared_run):
     run_dir, proc = shared_run
     rows = read_jsonl(run_dir / "metrics.jsonl")
@@ -103,6 +105,7 @@ def test_tiny_run_lowers_eval_loss_and_fills_the_run_folder(shared_run):
     assert str(run_dir / "results.json") in proc.stdout and str(run_dir / "loss_curve.png") in proc.stdout
 
 
+@pytest.mark.e2e
 def test_checkpoint_is_a_loadable_hf_model(shared_run):
     run_dir, _ = shared_run
     model = LlamaForCausalLM.from_pretrained(run_dir / f"model_{2 * STEPS}")
@@ -111,6 +114,7 @@ def test_checkpoint_is_a_loadable_hf_model(shared_run):
     assert model.config.norm_type == "pre"
 
 
+@pytest.mark.e2e
 def test_resume_is_bit_exact(shared_run, tmp_path):
     run_dir, _ = shared_run
     resumed = tmp_path / "resumed"
@@ -148,6 +152,7 @@ def test_keep_last_prunes_only_older_complete_checkpoints(tmp_path):
     assert prune_checkpoints(str(tmp_path), 6, 1) == [str(tmp_path / "model_4")]
 
 
+@pytest.mark.e2e
 def test_keep_last_in_a_run(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_trainer([*TINY, "--num_training_steps", "3", "--warmup_steps", "0", "--save_every", "1",
@@ -170,6 +175,7 @@ def test_resumable_last_slims_only_older_complete_checkpoints(tmp_path):
     assert drop_training_state(str(tmp_path), 6, 1) == [str(tmp_path / "model_4")]
 
 
+@pytest.mark.e2e
 def test_resumable_last_in_a_run_keeps_old_weights_and_resumes_from_the_newest(tmp_path):
     run_dir = tmp_path / "run"
     flags = [*TINY, "--warmup_steps", "0", "--save_every", "1", "--eval_every", "100", "--eval_tokens", "200",
@@ -189,6 +195,7 @@ def test_resumable_last_in_a_run_keeps_old_weights_and_resumes_from_the_newest(t
 # Divergence
 # --------------------------------------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_post_ln_with_a_huge_lr_diverges_cleanly(tmp_path):
     run_dir = tmp_path / "post"
     proc = run_trainer([*TINY, "--norm_type", "post", "--lr", "1e3", "--warmup_steps", "0", "--grad_clipping", "0",
@@ -204,6 +211,7 @@ def test_post_ln_with_a_huge_lr_diverges_cleanly(tmp_path):
     assert not list(run_dir.glob("model_*"))
 
 
+@pytest.mark.e2e
 def test_a_diverging_resume_keeps_checkpoints_and_metrics(shared_run, tmp_path):
     source, _ = shared_run
     run_dir = tmp_path / "copy"
@@ -367,6 +375,7 @@ def test_token_counts_with_a_suffix_are_exact(monkeypatch):
     assert {text: args_utils.parse_token_count(text) for text in counts} == counts
 
 
+@pytest.mark.e2e
 def test_corrupt_checkpoint_is_a_clear_error_and_creates_nothing(shared_run, tmp_path):
     run_dir, _ = shared_run
     broken = tmp_path / "broken"
@@ -381,6 +390,7 @@ def test_corrupt_checkpoint_is_a_clear_error_and_creates_nothing(shared_run, tmp
     assert not out.exists()
 
 
+@pytest.mark.e2e
 def test_max_length_beyond_the_models_positions_is_a_one_line_error(tmp_path):
     out = tmp_path / "out"
     proc = run_trainer([*TINY, "--max_length", "1025", "--save_dir", str(out)])
@@ -391,6 +401,7 @@ def test_max_length_beyond_the_models_positions_is_a_one_line_error(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.e2e
 def test_wandb_without_api_key_runs_offline_without_prompting(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(HOME=str(tmp_path), WANDB_DIR=str(tmp_path / "wandb_dir"), WANDB_CONFIG_DIR=str(tmp_path / "cfg"),
@@ -409,6 +420,7 @@ def test_wandb_without_api_key_runs_offline_without_prompting(tmp_path):
     assert legs[0].endswith("-" + (run_dir / "wandb_run_id").read_text().strip())
 
 
+@pytest.mark.e2e
 def test_paper_script_passes_norm_post_num_and_extra_flags(tmp_path):
     """bash run_130m.sh LNS 3 <overrides>: torchrun, one process, pure bf16 weights as in the paper."""
     env = dict(os.environ, **ONE_THREAD, NPROC="1",
@@ -474,7 +486,9 @@ def train_in_process(extra, run_dir, monkeypatch):
     return torchrun_main.main([*TWO_STEPS, *extra, "--save_dir", str(run_dir)])
 
 
-@pytest.mark.parametrize("arm", BASELINE_ARMS)
+# One arm in the fast tier, every arm in the end-to-end tier: each trains the whole trainer in process.
+@pytest.mark.parametrize("arm", [pytest.param(arm, marks=() if arm == "skipinit" else pytest.mark.e2e)
+                                 for arm in BASELINE_ARMS])
 def test_each_baseline_trains_and_its_checkpoint_rebuilds_it(arm, tmp_path, monkeypatch):
     from utils import model_io
 

@@ -49,6 +49,7 @@ def test_batched_statistics_match_a_direct_computation():
         assert statistics["rms"][depth] == pytest.approx(values.square().mean().sqrt().item(), rel=1e-5)
 
 
+@pytest.mark.e2e
 def test_cli_puts_every_model_in_one_table_and_figure(tmp_path):
     pre = save_with_tokenizer(tiny_ours("pre", num_layers=3), tmp_path / "pre")
     lns = save_with_tokenizer(tiny_ours("lns", num_layers=3), tmp_path / "lns")

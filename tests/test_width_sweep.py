@@ -123,6 +123,7 @@ def test_a_study_without_lm_eval_stops_in_one_line_before_training(study, tmp_pa
     study.parse_args(["--quick", "--report_only", "--out", str(tmp_path / "report")])  # a report needs no lm-eval
 
 
+@pytest.mark.e2e
 def test_width_sweep_device_cuda_without_cuda_from_the_command_line(tmp_path):
     if cli.cuda_available():
         pytest.skip("this machine has a GPU")
@@ -175,8 +176,8 @@ def test_the_report_answers_whether_the_identity_gap_survives_width(gaps, answer
                                        width_sweep.identity_ratio_verdict(axis, partial)).startswith("Not answerable")
 
 
-@pytest.mark.slow
-@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.e2e
 def test_width_sweep_quick_end_to_end_then_reuses_every_record(tmp_path, monkeypatch):
     """Float32 and eager, as the depth sweep's test: compilation would cost more than the runs."""
     out, runs = tmp_path / "report", tmp_path / "runs"

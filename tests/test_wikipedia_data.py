@@ -89,7 +89,7 @@ def test_committed_tokenizer_loads_by_name():
     assert tokenizer.eos_token_id == 1 and tokenizer.pad_token_id == 0
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_trainer_trains_and_evaluates_on_the_named_dataset(corpus, tmp_path):
     run = tmp_path / "run"
     result = run_trainer([*TINY_RUN, "--dataset", "wikipedia", "--packing", "--num_training_steps", "3",
@@ -197,7 +197,7 @@ def test_old_records_still_match_without_a_heldout_setting():
 
 
 @needs_corpus
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_committed_tokenizer_rebuilds_from_the_corpus(tmp_path, monkeypatch):
     monkeypatch.delenv(wikipedia_corpus.DATA_DIR_VARIABLE, raising=False)
     wikipedia_corpus.main(["build-tokenizer", "--out_dir", str(tmp_path / "tok")])
@@ -206,7 +206,7 @@ def test_committed_tokenizer_rebuilds_from_the_corpus(tmp_path, monkeypatch):
 
 
 @needs_corpus
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_single_pass_updates_are_what_the_stream_gives(monkeypatch):
     from peft_pretraining.dataloader import load_tokenizer
 
@@ -217,7 +217,7 @@ def test_single_pass_updates_are_what_the_stream_gives(monkeypatch):
 
 
 @needs_corpus
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_stored_train_token_count_is_the_corpus(monkeypatch):
     from peft_pretraining.dataloader import load_tokenizer, tokenize_documents
 
