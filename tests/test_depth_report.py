@@ -121,6 +121,7 @@ def test_update_ratio_matches_hooks_on_each_layer(build):
     np.testing.assert_allclose(result["update_ratio"], expected, rtol=1e-5)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("build", MODELS, ids=["hf", "ours"])
 def test_removal_cost_is_the_loss_of_the_pruned_model(build):
     """Against a copy with the layer really removed (layer_remove.remove_layer), scored one sequence at a time by the

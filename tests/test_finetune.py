@@ -149,6 +149,7 @@ def test_lora_with_lns_on_hf_llama(tmp_path, hf_llama_dir, instruction_file, tok
     assert (out / "adapter" / "adapter_model.safetensors").read_bytes() == adapter_bytes
 
 
+@pytest.mark.e2e
 def test_full_finetune_of_our_checkpoint(tmp_path, our_lns_dir, instruction_file, tokenizer, capsys):
     batch = _fixed_batch(tokenizer)
     loss_before = _response_loss(ours.LlamaForCausalLM.from_pretrained(our_lns_dir), batch)

@@ -132,6 +132,7 @@ def test_real_layers_match_autograd_on_the_whole_window(build):
         assert 0 < row["rel_identity_dev"] < 10
 
 
+@pytest.mark.e2e
 def test_probe_estimate_agrees_with_the_exact_value_within_its_standard_error():
     model = tiny_ours("pre", num_layers=3)
     samples = [TokenSample(WINDOW, [2, 9, 20])]
@@ -156,6 +157,7 @@ def test_probe_heatmap_is_the_exact_leading_block_of_one_token():
         np.testing.assert_allclose(block, exact.heatmaps[layer][:block.shape[0], :block.shape[1]], atol=1e-6)
 
 
+@pytest.mark.e2e
 def test_small_vector_batches_give_the_same_answer():
     model = tiny_ours("lns", num_layers=2)
     whole = measure_jacobians(model, SAMPLES, probes=0, heatmap=False).rows
@@ -256,6 +258,7 @@ def test_bad_flags_are_one_line_errors_before_any_work(tmp_path, capsys, flags, 
     assert not out.exists()
 
 
+@pytest.mark.e2e
 def test_a_bfloat16_model_is_differentiated_in_float32():
     model = tiny_hf_llama(num_layers=2).to(torch.bfloat16)
     position = 13

@@ -752,6 +752,7 @@ def test_the_depth_sweep_compares_the_logit_lens_only_where_the_records_have_it(
     assert found["lens_kl_deep"].gap.effect == pytest.approx(0.0)  # the crafted KLs ignore the arm
 
 
+@pytest.mark.e2e
 def test_the_logit_lens_reaches_the_record_from_a_real_checkpoint(tmp_path):
     """The study's analysis of a (tiny, untrained) checkpoint, in process: the angular tool's lens reaches the
     analysis, and the measures summarise it."""

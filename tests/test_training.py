@@ -569,6 +569,7 @@ def test_training_data_without_any_target_is_a_one_line_error(tmp_path, monkeypa
     assert len(errors) == 1 and "error: no training document holds a target token" in errors[0], errors
 
 
+@pytest.mark.e2e
 def test_the_adam_kernel_is_a_flag_and_a_resume_keeps_this_runs_choice():
     """In pure bf16 the reference's foreach kernel rounds its intermediates to bf16, the fused one rounds once: the
     weights part after a few steps. A loaded checkpoint's param groups must not bring back the kernel it used."""
