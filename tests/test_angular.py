@@ -18,7 +18,7 @@ from tests.analysis_helpers import (
     write_jsonl,
 )
 from utils import model_io
-from utils.angular_analysis import AngularDistanceAccumulator, compute_angular_distances
+from utils.instruments.angular import AngularDistanceAccumulator, compute_angular_distances
 
 
 def _random_batch(lengths, vocab=8192, seed=0):
@@ -154,7 +154,7 @@ def test_cli_writes_matrix_and_heatmap_offline(tmp_path):
 def test_block_influence_is_shortgpts_measure_computed_directly(build):
     """BI(l) = 1 - mean over tokens of cos(input of layer l, output of layer l), from forward hooks on each decoder
     layer, one unpadded sequence at a time; the tool's padded, batched sums must give the same numbers."""
-    from utils.angular_analysis import accumulate
+    from utils.instruments.angular import accumulate
 
     model = build()
     lengths = [7, 2, 5]

@@ -36,3 +36,49 @@ def test_a_script_run_from_the_shell_prints_one_line():
                             capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "--probes" in result.stderr, result.stderr
+
+
+# The study's analysis step runs the analysis tools' own command lines (main(argv)), so that every record is what a
+# user's `python utils/angular_analysis.py ...` would measure; it is the one module allowed to import tools.
+RUNS_TOOL_COMMAND_LINES = {"utils.study.analyse": {"layer_remove", "utils.angular_analysis", "utils.jacobian_analysis",
+                                                   "utils.variance_analysis"}}
+
+
+def tools() -> set[str]:
+    """The command-line scripts: torchrun_main.py, layer_remove.py and utils/*.py that run as __main__."""
+    return {"torchrun_main", "layer_remove",
+            *(f"utils.{path.stem}" for path in (REPO / "utils").glob("*.py") if "__main__" in path.read_text())}
+
+
+def imported_tools(source: str, tool_names: set[str]) -> set[str]:
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+    return found & tool_names
+
+
+def test_no_module_imports_a_tool():
+    """Scripts import library code (utils/instruments, utils/study, model_io, peft_pretraining), never each other."""
+    names = tools()
+    assert {"utils.angular_analysis", "utils.width_sweep", "utils.gpu_check"} <= names
+    offenders = {}
+    for path in [REPO / "torchrun_main.py", REPO / "layer_remove.py", *(REPO / "utils").rglob("*.py"),
+                 *(REPO / "peft_pretraining").rglob("*.py")]:
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        imported = imported_tools(path.read_text(), names - {module}) - RUNS_TOOL_COMMAND_LINES.get(module, set())
+        if imported:
+            offenders[module] = sorted(imported)
+    assert not offenders, offenders
+
+
+def test_the_import_check_sees_both_import_forms():
+    names = {"utils.width_sweep", "layer_remove"}
+    assert imported_tools("from utils import width_sweep\nimport os", names) == {"utils.width_sweep"}
+    assert imported_tools("def f():\n    import layer_remove", names) == {"layer_remove"}
+    assert imported_tools("from utils.width_sweep import run_specs", names) == {"utils.width_sweep"}
+    assert not imported_tools("from utils.study import runs", names)

@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import layer_remove
 from tests.analysis_helpers import (
     heldout_documents,
     run_cli,
@@ -19,7 +18,8 @@ from tests.analysis_helpers import (
     write_jsonl,
 )
 from utils.depth_report import main, measure_removal, measure_stream
-from utils.logit_lens import LogitLensAccumulator
+from utils.instruments.logit_lens import LogitLensAccumulator
+from utils.instruments.removal import remove_layer
 
 MODELS = [lambda: tiny_hf_llama(3, seed=1), lambda: tiny_ours("lns", 3, seed=1)]
 
@@ -124,8 +124,8 @@ def test_update_ratio_matches_hooks_on_each_layer(build):
 @pytest.mark.e2e
 @pytest.mark.parametrize("build", MODELS, ids=["hf", "ours"])
 def test_removal_cost_is_the_loss_of_the_pruned_model(build):
-    """Against a copy with the layer really removed (layer_remove.remove_layer), scored one sequence at a time by the
-    model's own loss."""
+    """Against a copy with the layer really removed (remove_layer), scored one sequence at a time by the model's own
+    loss."""
     model = build()
     lengths = [8, 4, 6]
     input_ids, attention_mask = _random_batch(lengths, seed=5)
@@ -140,7 +140,7 @@ def test_removal_cost_is_the_loss_of_the_pruned_model(build):
     assert result["removal_baseline_nats"] == pytest.approx(token_mean_loss(model), rel=1e-5)
     for layer in range(3):
         pruned = copy.deepcopy(model)
-        layer_remove.remove_layer(pruned, layer)
+        remove_layer(pruned, layer)
         assert result["removal_cost"][layer] == pytest.approx(token_mean_loss(pruned) - token_mean_loss(model),
                                                               rel=1e-3, abs=1e-5)
     assert any(abs(cost) > 1e-3 for cost in result["removal_cost"])

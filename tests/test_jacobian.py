@@ -21,7 +21,8 @@ from tests.analysis_helpers import (
     write_jsonl,
 )
 from utils import jacobian_analysis, model_io
-from utils.jacobian_analysis import TokenSample, jacobian_summary, main, measure_jacobians, sample_tokens
+from utils.instruments.jacobian import TokenSample, jacobian_summary, measure_jacobians, sample_tokens
+from utils.jacobian_analysis import main
 
 WINDOW = torch.randint(3, 8192, (24,), generator=torch.Generator().manual_seed(0)).tolist()
 SAMPLES = [TokenSample(WINDOW, [0, 5, 17, 23])]

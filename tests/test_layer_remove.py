@@ -16,7 +16,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from layer_remove import layer_removed, main, remove_layer
+from layer_remove import main
 from tests.analysis_helpers import (
     heldout_documents,
     run_cli,
@@ -26,6 +26,7 @@ from tests.analysis_helpers import (
     write_jsonl,
 )
 from utils import model_io
+from utils.instruments.removal import layer_removed, remove_layer
 
 INPUT_IDS = torch.randint(3, 8192, (2, 9), generator=torch.Generator().manual_seed(0))
 ATTENTION_MASK = torch.tensor([[1] * 9, [1] * 6 + [0] * 3])

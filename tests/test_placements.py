@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from layer_remove import remove_layer
 from peft_pretraining import modeling_llama
 from peft_pretraining.modeling_llama import NORM_TYPES, LlamaForCausalLM, build_config
 from tests.test_model import TINY, random_tokens
+from utils.instruments.removal import remove_layer
 
 POST_NUM = 2
 VARIANTS = [(norm_type, {}) for norm_type in NORM_TYPES] + [

@@ -901,3 +901,36 @@ def test_a_single_pass_budget_reports_no_overfitting_probe_and_says_why(tmp_path
     embedded = depth_sweep.parse_args(["--report_only", "--out", str(tmp_path / "e"), "--runs_dir", str(tmp_path)])
     assert depth_sweep.probe_section(embedded, None, tmp_path, "")[0].startswith("Not measured yet")
     assert "2,250 steps" in depth_sweep.budget_reason(embedded.settings)
+
+
+@pytest.mark.parametrize("script", ["compare_norms", "depth_sweep", "width_sweep"])
+def test_every_study_plans_what_is_left_without_training(script, tmp_path, capsys):
+    """--plan prints the runs left as JSON and trains nothing: a record saved for the first run moves it from left
+    to recorded, and the largest run's disk is that of one of the runs left."""
+    from utils import width_sweep
+
+    study = {"compare_norms": compare_norms, "depth_sweep": depth_sweep, "width_sweep": width_sweep}[script]
+    argv = ["--quick", "--dtype", "float32", "--no-compile", "--out", str(tmp_path / "report"), "--runs_dir",
+            str(tmp_path / "runs"), "--plan"]
+    args = study.parse_args(argv)
+    specs = runs.as_trained(args, study.run_specs(args, study.study_arms(args)) if study is compare_norms
+                            else study.run_specs(args))
+
+    def plan() -> dict:
+        assert study.main(argv) == 0
+        return json.loads(capsys.readouterr().out)
+
+    before = plan()
+    assert before["runs"] == len(specs) and before["recorded"] == 0
+    assert before["left"] == [spec.name for spec in specs] and before["recorded_run_seconds"] == []
+    assert before["largest_run_bytes"] == max(runs.checkpoint_bytes(spec) for spec in specs)
+    assert not any((tmp_path / "runs" / spec.name).exists() for spec in specs)  # (model configs may be written)
+    first = specs[0]
+    record = dict(version=runs.RECORD_VERSION, arm=first.arm, seed=first.seed, flags=list(first.flags()),
+                  analysis_settings=dataclasses.asdict(runs.analysis_settings(args.settings, args.device)),
+                  status="finished", last_step=max(first.analyse_steps), train_seconds=60.0, analysis_seconds=4.6,
+                  analyses={str(step): {} for step in first.analyse_steps})
+    (tmp_path / "report" / "runs").mkdir(parents=True)
+    (tmp_path / "report" / "runs" / f"{first.name}.json").write_text(json.dumps(record))
+    after = plan()
+    assert after["recorded"] == 1 and after["left"] == before["left"][1:] and after["recorded_run_seconds"] == [65]

@@ -16,7 +16,7 @@ from tests.analysis_helpers import (
     write_jsonl,
 )
 from utils import model_io
-from utils.variance_analysis import residual_statistics
+from utils.instruments.variance import residual_statistics
 
 INPUT_IDS = torch.randint(3, 8192, (3, 10), generator=torch.Generator().manual_seed(0))
 ATTENTION_MASK = torch.tensor([[1] * 10, [1] * 7 + [0] * 3, [1] * 4 + [0] * 6])

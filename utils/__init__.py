@@ -1,14 +1,14 @@
-"""Command-line tools around the trainer, and the modules they share (a tool takes `--help`).
+"""Command-line tools around the trainer, and the modules they share (a tool takes `--help`). A tool imports
+library modules (instruments/, study/, model_io, model_arithmetic, peft_pretraining), never another tool.
 
 Layer analyses (docs/analyses.md), on our checkpoints and on Hugging Face causal LMs:
-    model_io            the shared helper: load a model and tokenizer, feed text, capture the residual stream
     angular_analysis    angular distance between the residual stream at layer l and at layer l + n
     variance_analysis   variance and RMS of the residual stream at every depth
     jacobian_analysis   how far each block's Jacobian is from the identity
-    depth_report        every instrument above on the same tokens, with the logit lens and update ratio, in one report
-    logit_lens          the logit lens: each layer's stream read out through the final norm and head (a module the
-                        angular tool's --logit_lens and depth_report share)
+    depth_report        every instrument on the same tokens, with the logit lens and update ratio, in one report
     (layer removal is layer_remove.py at the repository root)
+    instruments/        what those measure, as library code: angular, variance, jacobian, logit_lens, removal
+    model_io            the shared helper: load a model and tokenizer, feed text, capture the residual stream
 
 Studies (docs/study.md), Pre-LN against LNS and the other placements, trained and measured end to end:
     compare_norms       the CPU-scale study: every placement on one budget, with every instrument
@@ -26,6 +26,7 @@ Benchmarks and estimates (docs/benchmarks.md):
     benchmark_dataloader  loader tokens/s against training tokens/s
     benchmark_angular   the angular analysis's speed on a 135M-shaped model
     memory_estimate     GPU memory of one training process, by formula
+    model_arithmetic    parameters, model FLOPs per token, GPU peaks: the formulas the tools above share
 
 Launching (shell scripts):
     launch_trainer.sh   runs a trainer command and exits with the trainer's own code

@@ -37,28 +37,9 @@ from peft_pretraining import optimization
 from peft_pretraining.cli import OneLineErrorParser
 from peft_pretraining.head_losses import HEAD_LOSSES, liger_import_error
 from peft_pretraining.modeling_llama import NORM_TYPES, LlamaForCausalLM, build_config
+from utils.model_arithmetic import PAPER_MICRO_BATCH, dense_bf16_peak_tflops, model_flops_per_token
 
 REPO = Path(__file__).resolve().parent.parent
-# The paper's per-GPU micro-batch (run_<size>.sh --batch_size), sequence length 256.
-PAPER_MICRO_BATCH = {"llama_130m.json": 64, "llama_250m.json": 128, "llama_350m.json": 128, "llama_1b.json": 32}
-# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, TFLOP/s. The first matching name wins, so
-# more specific names come first.
-DENSE_BF16_PEAK_TFLOPS = [
-    ("H100 PCIe", 756), ("H100 NVL", 835), ("GH200", 989), ("H200", 989), ("H100", 989),  # H100 SXM (HBM3)
-    ("B200", 2250), ("A100", 312), ("L40S", 362), ("L4", 121), ("A10", 125),
-]
-
-
-def dense_bf16_peak_tflops(device_name: str) -> float | None:
-    return next((peak for name, peak in DENSE_BF16_PEAK_TFLOPS if name in device_name), None)
-
-
-def model_flops_per_token(config, seq_len: int) -> int:
-    hidden, layers = config.hidden_size, config.num_hidden_layers
-    matmul_params = layers * (4 * hidden * hidden + 3 * hidden * config.intermediate_size) + hidden * config.vocab_size
-    return 6 * matmul_params + 12 * layers * hidden * seq_len
-
-
 def random_tokens(config, batch: int, seq_len: int, device) -> torch.Tensor:
     """The same tokens for every row of a config and micro-batch, whatever loss or precision the row measures."""
     generator = torch.Generator().manual_seed(0)

@@ -524,11 +524,14 @@ def main(argv=None) -> int:
     started = time.time()
     arms = study_arms(args)
     specs = run_specs(args, arms)
+    if args.plan:
+        print(json.dumps(report.plan(args, specs), indent=1))
+        return 0
     records, skipped = runs.collect_records(args, specs)
     if args.arms:
         arms, records, skipped = with_saved_arms(args, arms, records, skipped)
-    report = write_report(args, arms, records, skipped, started, argv)
-    print(f"report: {report}")
+    written = write_report(args, arms, records, skipped, started, argv)
+    print(f"report: {written}")
     return 0
 
 

@@ -8,15 +8,15 @@ Each model reads the same text (--dataset / --text_file, as the other tools) in 
 length (utils/model_io.resolve_context_length). From those windows:
 
 - one pass of the residual stream (utils/model_io.ResidualStream) over the first --num_tokens tokens feeds
-  the angular distance d(l, 1) and block influence (utils/angular_analysis.py), the variance
-  (utils/variance_analysis.py), the residual update ratio ||h_{l+1} - h_l|| / ||h_l|| (each block's update against the
-  stream it is added to) and the logit lens (utils/logit_lens.py): the model's own final norm and LM head applied to
-  the stream after every layer, compared with the final layer's next-token distribution (KL(final || layer l), top-1
-  agreement, and each token's prediction depth: the first layer from which its top-1 token agrees with the final one
-  and stays);
-- the removal cost of each layer (layer_remove.layer_removed): the rise of the next-token loss, in nats per token,
-  when that layer is removed, over the first --removal_tokens tokens of the same windows;
-- block Jacobians ||J - I||_F / sqrt(d) (utils/jacobian_analysis.py) at --jacobian_tokens positions sampled from the
+  the angular distance d(l, 1) and block influence (utils/instruments/angular.py), the variance
+  (utils/instruments/variance.py), the residual update ratio ||h_{l+1} - h_l|| / ||h_l|| (each block's update against
+  the stream it is added to) and the logit lens (utils/instruments/logit_lens.py): the model's own final norm and LM
+  head applied to the stream after every layer, compared with the final layer's next-token distribution
+  (KL(final || layer l), top-1 agreement, and each token's prediction depth: the first layer from which its top-1
+  token agrees with the final one and stays);
+- the removal cost of each layer (utils/instruments/removal.layer_removed): the rise of the next-token loss, in nats
+  per token, when that layer is removed, over the first --removal_tokens tokens of the same windows;
+- block Jacobians ||J - I||_F / sqrt(d) (utils/instruments/jacobian.py) at --jacobian_tokens positions sampled from the
   first of the same windows.
 
 Writes to --out: report.md (settings, a few sentences per model, each naming its threshold, and the panel),
@@ -38,16 +38,16 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-import layer_remove
 from peft_pretraining.cli import OneLineErrorParser
 from peft_pretraining.model_parts import decoder_layers
 from utils import model_io
-from utils.angular_analysis import AngularDistanceAccumulator
-from utils.jacobian_analysis import jacobian_summary
-from utils.logit_lens import LogitLensAccumulator, final_readout
+from utils.instruments.angular import AngularDistanceAccumulator
+from utils.instruments.jacobian import jacobian_summary
+from utils.instruments.logit_lens import LogitLensAccumulator, final_readout
+from utils.instruments.removal import layer_removed
+from utils.instruments.variance import StreamStatistics
 from utils.study.host import cpu_model_name
 from utils.study.measures import CHEAP_REMOVAL_NATS
-from utils.variance_analysis import StreamStatistics
 
 # GPU defaults: the paper's 262,144 tokens for the stream measures and the Jacobian tool's 128 tokens; the removal
 # sweep runs the model L + 1 times, so it reads a quarter of the stream's tokens.
@@ -124,7 +124,7 @@ def measure_removal(model, batches: list, desc: str = "removal") -> dict:
     baseline = next_token_loss(model, batches)
     costs = []
     for layer in tqdm(range(len(decoder_layers(model))), unit="layer", desc=desc, dynamic_ncols=True):
-        with layer_remove.layer_removed(model, layer):
+        with layer_removed(model, layer):
             costs.append(next_token_loss(model, batches) - baseline)
     return dict(removal_baseline_nats=baseline, removal_cost=costs)
 

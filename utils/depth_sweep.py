@@ -630,10 +630,13 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     started = time.time()
+    if args.plan:  # the sweep's runs; the overfitting probe is one run more
+        print(json.dumps(report.plan(args, run_specs(args)), indent=1))
+        return 0
     records, skipped = runs.collect_records(args, run_specs(args))
     probe = collect_probe(args)
-    report = write_report(args, records, skipped, started, argv, probe)
-    print(f"report: {report}")
+    written = write_report(args, records, skipped, started, argv, probe)
+    print(f"report: {written}")
     return 0
 
 

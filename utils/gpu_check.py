@@ -40,7 +40,7 @@ from pathlib import Path
 
 from peft_pretraining.cli import OneLineErrorParser
 from peft_pretraining.head_losses import LOSS_TOLERANCE, liger_import_error
-from utils.benchmark_gpu import PAPER_MICRO_BATCH, dense_bf16_peak_tflops, model_flops_per_token
+from utils.model_arithmetic import PAPER_MICRO_BATCH, dense_bf16_peak_tflops, model_flops_per_token
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ["recipes", "fsdp_resume", "bare_steps", "micro_batch", "losses", "eager_1b"]
@@ -264,23 +264,20 @@ DEVICE_DISK_GB = 64 * 2**30 / 1e9  # the lent machine's disk
 
 
 def stage_width_sweep_plan(check: Check):
-    """What the width sweep's GPU call has left: runs without a committed record, the disk the largest writes, and
-    the jobs that the disk lets run at once (each run's seconds where a GPU record has them)."""
-    from utils import width_sweep
-    from utils.study import report, runs
-
+    """What the width sweep's GPU call has left (utils/width_sweep.py --plan, which reads records and needs no GPU):
+    runs without a committed record, the disk the largest writes, and the jobs that the disk lets run at once (each
+    run's seconds where a GPU record has them)."""
     start = time.perf_counter()
-    args = width_sweep.parse_args([*WIDTH_SWEEP, "--report_only"])  # --report_only: reads records, needs no GPU
-    specs = runs.as_trained(args, width_sweep.run_specs(args))
-    records = runs.saved_records(args, width_sweep.run_specs(args))
-    left = [spec for spec in specs if spec.name not in records]
-    largest = max(runs.checkpoint_bytes(spec) for spec in left or specs)
+    proc = subprocess.run([sys.executable, "utils/width_sweep.py", *WIDTH_SWEEP, "--plan"], cwd=REPO,
+                          capture_output=True, text=True, check=True)
+    plan = json.loads(proc.stdout)
     disk = DEVICE_DISK_GB * 1e9 if check.rehearse else shutil.disk_usage(check.out).free
-    jobs = max(1, min(6, int(0.9 * disk // largest)))
-    seconds = sorted(round(report.run_seconds(r)) for r in records.values() if report.run_seconds(r) is not None)
-    check.record("width_sweep_plan", ok=True, seconds=time.perf_counter() - start, runs=len(specs),
-                 recorded=len(records), left=len(left), largest_run_gb=round(largest / 1e9, 1),
-                 disk_gb=round(disk / 1e9), jobs=jobs, waves=-(-len(left) // jobs), recorded_run_seconds=seconds)
+    jobs = max(1, min(6, int(0.9 * disk // plan["largest_run_bytes"])))
+    left = len(plan["left"])
+    check.record("width_sweep_plan", ok=True, seconds=time.perf_counter() - start, runs=plan["runs"],
+                 recorded=plan["recorded"], left=left, largest_run_gb=round(plan["largest_run_bytes"] / 1e9, 1),
+                 disk_gb=round(disk / 1e9), jobs=jobs, waves=-(-left // jobs),
+                 recorded_run_seconds=plan["recorded_run_seconds"])
 
 
 def data_flags(fixtures: Path) -> list[str]:

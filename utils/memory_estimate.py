@@ -34,16 +34,11 @@ import torch
 from peft_pretraining import modeling_llama
 from peft_pretraining.cli import OneLineErrorParser
 from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config
+from utils.model_arithmetic import parameter_count
 
 REPO = Path(__file__).resolve().parent.parent
 GB = 1e9
 DTYPES = ("bfloat16", "mixed", "float32")
-
-
-def parameter_count(config) -> int:
-    h, i, V = config.hidden_size, config.intermediate_size, config.vocab_size
-    per_layer = 4 * h * h + 3 * h * i + 2 * h
-    return config.num_hidden_layers * per_layer + 2 * V * h + h
 
 
 def layer_bytes_per_token(config, dtype: str) -> int:

@@ -26,6 +26,10 @@ def add_study_arguments(parser: argparse.ArgumentParser, budgets: dict,
     parser.add_argument("--max_hours", type=float, default=None,
                         help="start no new run after this many hours; the next invocation continues")
     parser.add_argument("--report_only", action="store_true", help="write the report from the saved records")
+    parser.add_argument("--plan", action="store_true",
+                        help="print what this invocation would train, as JSON, and exit: the runs, those with a "
+                             "record, the names of those left, the disk the largest of them writes (bytes) and the "
+                             "recorded runs' seconds. Trains nothing and needs no GPU")
     parser.add_argument("--fresh", action="store_true", help="retrain and re-analyse even where records exist")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="train every run with torch.compile (the default; --no-compile trains eager): 1.5x "
@@ -55,16 +59,17 @@ def resolve_study_args(parser: argparse.ArgumentParser, args, budgets: dict) -> 
         parser.error(f"--max_hours must be positive, got {args.max_hours}")
     # one deadline for the whole invocation, however many collect_records calls it makes (the sweep, then its probe)
     args.deadline = None if args.max_hours is None else time.time() + 3600 * args.max_hours
-    if args.device == "cuda" and not args.report_only and not cuda_available():  # a GPU's records report anywhere
+    trains = not (args.report_only or args.plan)
+    if args.device == "cuda" and trains and not cuda_available():  # a GPU's records report and plan anywhere
         parser.error("--device cuda: no CUDA device is visible on this machine")
-    if not args.report_only:
+    if trains:
         check_dataset(parser, args)
         try:  # before any run trains: without it, every analysis fails after its training (a GPU image lacked it)
             import lm_eval.tasks  # noqa: F401 (the removal analysis goes through lm-eval)
         except ImportError as err:
             parser.error(f"the removal analysis needs lm-eval, which does not import here ({err}); pip install -r "
                          "exp_requirements.txt")
-    if args.device == "cpu" and args.dtype == "mixed" and not bf16_instructions():
+    if trains and args.device == "cpu" and args.dtype == "mixed" and not bf16_instructions():
         print("note: this CPU names no bf16 instructions (avx512_bf16, amx_bf16); --dtype mixed emulates bf16 "
               "products here and trains about 3x slower than --dtype float32 (docs/study.md)", file=sys.stderr)
     # Folders are named from float32 eager, the precision and mode of the records committed before the default

@@ -6,6 +6,7 @@ import json
 import time
 from pathlib import Path
 
+from utils.study import runs
 from utils.study.host import machine_description, records_machines, software_versions
 from utils.study.runs import DEFAULT_DATASET, RunSpec
 
@@ -77,6 +78,18 @@ def run_status(records: dict, expected: int, skipped: list[RunSpec], shown: int 
         listed = f"{', '.join(names[:shown])} and {len(names) - shown} more"
     return (f"**Partial**: {len(records)} of {expected} runs have records; the missing ones ({listed}) run on the "
             "next invocation.")
+
+
+def plan(args, specs: list[RunSpec]) -> dict:
+    """What the study has left (its --plan): runs, those recorded, the names of those left, the disk the largest run
+    left writes (of all runs, when none is left) and the recorded runs' measured seconds."""
+    records = runs.saved_records(args, specs)
+    specs = runs.as_trained(args, specs)
+    left = [spec for spec in specs if spec.name not in records]
+    seconds = (run_seconds(record) for record in records.values())
+    return dict(runs=len(specs), recorded=len(records), left=[spec.name for spec in left],
+                largest_run_bytes=max(runs.checkpoint_bytes(spec) for spec in left or specs),
+                recorded_run_seconds=sorted(round(s) for s in seconds if s is not None))
 
 
 def run_seconds(record: dict) -> float | None:

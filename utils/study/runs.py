@@ -283,7 +283,7 @@ def curves_from_metrics(metrics_path: Path) -> dict:
 def checkpoint_bytes(spec: RunSpec) -> int:
     """The most disk a run's folder takes while it trains: every checkpoint's fp32 weights, and the AdamW state
     (twice the weights) in the newest and in the one being written."""
-    from utils.memory_estimate import parameter_count
+    from utils.model_arithmetic import parameter_count
 
     flags = spec.flags()
     config = argparse.Namespace(**json.loads((REPO / flags[flags.index("--model_config") + 1]).read_text()))
