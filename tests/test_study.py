@@ -934,3 +934,62 @@ def test_every_study_plans_what_is_left_without_training(script, tmp_path, capsy
     (tmp_path / "report" / "runs" / f"{first.name}.json").write_text(json.dumps(record))
     after = plan()
     assert after["recorded"] == 1 and after["left"] == before["left"][1:] and after["recorded_run_seconds"] == [65]
+
+
+def _record_pair():
+    """A committed record made before block influence, and a retrain of the same run that has it, its numbers off
+    in the last digits as another host's kernels leave them."""
+    committed = dict(version=1, arm="L6-lns", seed=1, flags=["--seed", "1"], status="finished", last_step=400,
+                     tokens_seen=819200, analysis_settings={"max_seq_len": 128}, final_eval_loss=5.5,
+                     train_curve=[[1, 9.0258], [3, 9.0267]], train_seconds=180.0,
+                     analyses={"400": {"variance": [1.0, 2.5], "angular_next": [0.25, None]}})
+    retrained = json.loads(json.dumps(committed))
+    retrained.update(final_eval_loss=5.5 * (1 + 3e-7), train_seconds=412.0, machine="elsewhere")
+    retrained["analyses"]["400"].update(variance=[1.0, 2.5 * (1 - 2e-6)], block_influence=[0.3, 0.01])
+    return committed, retrained
+
+
+def test_a_backfill_adds_what_the_record_lacks_and_keeps_what_it_has(tmp_path, capsys):
+    from utils.study import backfill
+
+    committed, retrained = _record_pair()
+    for folder, record in (("into", committed), ("retrained", retrained)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "L6-lns-seed1.json").write_text(json.dumps(record, indent=1) + "\n")
+    command = ["--into", str(tmp_path / "into"), "--retrained", str(tmp_path / "retrained")]
+    assert backfill.main(command) == 0
+    merged = json.loads((tmp_path / "into" / "L6-lns-seed1.json").read_text())
+    assert merged["analyses"]["400"]["block_influence"] == [0.3, 0.01]
+    assert merged["analyses"]["400"]["variance"] == [1.0, 2.5] and merged["final_eval_loss"] == 5.5
+    assert merged["train_seconds"] == 180.0 and "machine" not in merged
+    info = merged["backfilled"]
+    assert info["measures"] == ["block_influence"] and info["machine"] == "elsewhere"
+    assert info["values_compared"] == 6 and info["max_relative_difference"] == pytest.approx(2e-6, rel=1e-3)
+    text = (tmp_path / "into" / "L6-lns-seed1.json").read_text()
+    assert backfill.main(command) == 0 and (tmp_path / "into" / "L6-lns-seed1.json").read_text() == text  # nothing new
+    assert "added block_influence" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda r: r["analyses"]["400"].update(variance=[1.0, 2.6]), "analyses.400.variance[1]"),
+    (lambda r: r["analyses"]["400"].update(angular_next=[0.25, 0.1]), "analyses.400.angular_next[1]"),
+    (lambda r: r["analyses"]["400"].pop("variance"), "analyses.400.variance"),
+    (lambda r: r.update(flags=["--seed", "2"]), "flags"),
+    (lambda r: r.update(analysis_settings={"max_seq_len": 256}), "analysis_settings"),
+])
+def test_a_retrain_that_is_not_the_same_run_is_refused_and_nothing_is_written(change, named, tmp_path, capsys):
+    from utils.study import backfill
+
+    committed, retrained = _record_pair()
+    change(retrained)
+    (tmp_path / "into").mkdir()
+    (tmp_path / "retrained").mkdir()
+    (tmp_path / "into" / "L6-lns-seed1.json").write_text(json.dumps(committed, indent=1) + "\n")
+    (tmp_path / "retrained" / "L6-lns-seed1.json").write_text(json.dumps(retrained))
+    before = (tmp_path / "into" / "L6-lns-seed1.json").read_text()
+    with pytest.raises(SystemExit) as exit_info:
+        backfill.main(["--into", str(tmp_path / "into"), "--retrained", str(tmp_path / "retrained")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "L6-lns-seed1.json" in err and named in err, err
+    assert (tmp_path / "into" / "L6-lns-seed1.json").read_text() == before

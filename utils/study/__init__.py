@@ -4,6 +4,7 @@ only their budgets, arms and report templates. No script imports another.
     cli        the flags every study takes, resolved into its settings and folders
     runs       a study's runs: train (torchrun_main.py), analyse, write the record; read records back
     analyse    every instrument on one checkpoint (the analysis subprocess of a run)
+    backfill   measures a committed record predates, added from a retrain that agrees with it
     measures   the scalar measures a record's analyses are summarised into, per arm and seed
     claims     the paper's claims about LNS against Pre-LN as paired verdicts on two arms, and their report text
     sweep      what the depth and width sweeps share: the axis, configs, flags, slopes against ln of the swept value

@@ -1,0 +1,122 @@
+"""Measures a committed record predates, added from a retrain of the same run.
+
+A record made before an instrument joined the study (block influence, the logit lens, per-document removal costs)
+lacks its values. Retraining the run with the same flags into a scratch report folder (`--out`) makes a record that
+has them; this adds them to the committed record and keeps every value the record already holds, so no committed
+number changes. A retrain is used only where it is the same run: its flags, analysis settings and status must be
+the record's, and every number both records hold (the curves, the eval loss, every analysis) must agree within
+--rtol. Another host's float kernels may round differently: an AVX2 host retraining the float32 depth sweep that an
+AVX-512 host made agreed to about 1e-5 relative on every value (docs/study.md).
+
+    python -m utils.study.backfill --into docs/depth_sweep/runs --retrained runs/depth_sweep_bi_report/runs
+
+Each record that gains values also gains `backfilled`: the measures added, the retrain's machine, and the largest
+relative difference over the values compared. Records without a retrain, or with nothing to add, are left as they
+are. A retrain that disagrees is a one-line error naming the record and the value, and nothing is written.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from peft_pretraining.cli import OneLineErrorParser
+from peft_pretraining.run_folder import write_json_atomic
+from utils.study.runs import recorded_settings
+
+# What a run is: these must be equal for a retrain to stand in for the record.
+IDENTITY = ("version", "arm", "seed", "flags", "status", "last_step", "tokens_seen")
+# The numbers both records hold, compared within the tolerance (analyses: every measure the record has).
+COMPARED = ("final_eval_loss", "eval_curve", "train_curve", "norm_gain_curve", "analyses")
+# Where and how fast it ran: different by nature, neither compared nor copied.
+HOST_FIELDS = ("train_seconds", "analysis_seconds", "tokens_per_s_median", "machine", "device", "diverged_reason")
+
+
+class Disagreement(ValueError):
+    pass
+
+
+def compare(committed, retrained, where: str, rtol: float) -> tuple[int, float]:
+    """(numbers compared, largest relative difference) over the values `committed` holds; Disagreement beyond rtol
+    or where the two differ in shape or in a value that is not a float."""
+    if isinstance(committed, dict) and isinstance(retrained, dict):
+        totals = [compare(value, retrained.get(key), f"{where}.{key}" if where else key, rtol)
+                  for key, value in committed.items()]
+        return sum(count for count, _ in totals), max((worst for _, worst in totals), default=0.0)
+    if isinstance(committed, list) and isinstance(retrained, list) and len(committed) == len(retrained):
+        totals = [compare(a, b, f"{where}[{index}]", rtol) for index, (a, b) in enumerate(zip(committed, retrained))]
+        return sum(count for count, _ in totals), max((worst for _, worst in totals), default=0.0)
+    if isinstance(committed, float) and isinstance(retrained, (int, float)) and not isinstance(retrained, bool):
+        scale = max(abs(committed), abs(retrained))
+        relative = 0.0 if committed == retrained else abs(committed - retrained) / scale
+        if relative > rtol:
+            raise Disagreement(f"{where}: {committed!r} against the retrain's {retrained!r} "
+                               f"({relative:.1e} relative, over --rtol {rtol:g})")
+        return 1, relative
+    if committed != retrained:
+        raise Disagreement(f"{where}: {committed!r} against the retrain's {retrained!r}")
+    return 0, 0.0
+
+
+def backfilled(committed: dict, retrained: dict, rtol: float) -> dict | None:
+    """The committed record with the analyses' measures it lacks taken from the retrain; None when it lacks none."""
+    for key in IDENTITY:
+        if committed.get(key) != retrained.get(key):
+            raise Disagreement(f"{key}: {committed.get(key)!r} against the retrain's {retrained.get(key)!r}")
+    if recorded_settings(committed) != recorded_settings(retrained):
+        raise Disagreement(f"analysis_settings: {committed.get('analysis_settings')} against the retrain's "
+                           f"{retrained.get('analysis_settings')}")
+    count, worst = compare({key: committed[key] for key in COMPARED if key in committed}, retrained, "", rtol)
+    record = json.loads(json.dumps(committed))
+    added: set[str] = set()
+    for step, analysis in record["analyses"].items():
+        missing = {key: value for key, value in retrained["analyses"][step].items() if key not in analysis}
+        analysis.update(missing)
+        added |= set(missing)
+    if not added:
+        return None
+    record["backfilled"] = dict(measures=sorted(added), machine=retrained.get("machine"), values_compared=count,
+                                max_relative_difference=worst)
+    return record
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(prog="python -m utils.study.backfill", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--into", required=True, help="the committed records' folder (<report>/runs)")
+    parser.add_argument("--retrained", required=True, help="the retrain's records' folder (<scratch report>/runs)")
+    parser.add_argument("--rtol", type=float, default=1e-4,
+                        help="largest relative difference allowed between a number of the record and the retrain's")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    into, retrained_dir = Path(args.into), Path(args.retrained)
+    for flag, folder in (("--into", into), ("--retrained", retrained_dir)):
+        if not folder.is_dir():
+            parser.error(f"{flag}: no folder {folder}")
+    if not args.rtol > 0:
+        parser.error(f"--rtol must be positive, got {args.rtol}")
+    updates = {}
+    for path in sorted(retrained_dir.glob("*.json")):
+        if not (into / path.name).exists():
+            continue
+        try:
+            record = backfilled(json.loads((into / path.name).read_text()), json.loads(path.read_text()), args.rtol)
+        except Disagreement as error:
+            parser.error(f"{path.name}: the retrain is not the same run: {error}")
+        if record is not None:
+            updates[into / path.name] = record
+    for path, record in updates.items():  # only once every retrain has been checked
+        write_json_atomic(path, record, indent=1)
+        info = record["backfilled"]
+        print(f"{path}: added {', '.join(info['measures'])} ({info['values_compared']} values agree, at most "
+              f"{info['max_relative_difference']:.1e} relative)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
