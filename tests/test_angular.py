@@ -280,3 +280,21 @@ def test_a_missing_local_path_fails_at_once_without_asking_the_hub(path, reason,
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and f"--model_path: {path} does not exist" in error[0] and reason in error[0]
     assert model_io.local_path_reason("Qwen/Qwen3-8B") is None and model_io.local_path_reason("gpt2") is None
+
+
+def test_the_libraries_example_in_the_docs_runs(tmp_path):
+    """docs/analyses.md's "In Python" block, run as written on a saved tiny model (fewer tokens): one pass feeds the
+    angular, variance and logit-lens accumulators, whose results have one value per layer or depth."""
+    import re
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "analyses.md").read_text()
+    section = docs[docs.index("### In Python"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    tiny_ours("lns", 3).save_pretrained(tmp_path)
+    code = code.replace('"runs/tiny_lns/model_150"', repr(str(tmp_path))).replace("num_tokens=2048", "num_tokens=96")
+    namespace = {}
+    exec(compile(code, "docs/analyses.md", "exec"), namespace)
+    angular, variance, lens = namespace["angular"], namespace["variance"], namespace["lens"]
+    assert angular.num_tokens == 96 and angular.block_influence().shape == (3,)
+    assert len(variance.result()["variance"]) == 4 and len(lens.result()["lens_kl"]) == 3
