@@ -12,6 +12,7 @@
                                                        #   LNS records (all 48 new runs: about 9 hours on 2 cores)
     python utils/compare_norms.py --quick              # smoke test (CI), a few minutes
     python utils/compare_norms.py --report_only        # rewrite the report from the saved records
+    python utils/compare_norms.py --plan               # the runs left and their disk, as JSON; trains nothing
 
 Each run trains `torchrun_main.py` on the embedded corpus (same data order and init for a given seed across arms),
 then the analysis tools measure its checkpoints: the core arms at five points through training (the dynamics), the

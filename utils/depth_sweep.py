@@ -8,6 +8,7 @@
     python utils/depth_sweep.py --overfit_probe  # also find where the corpus overfits at the deepest depth
     python utils/depth_sweep.py --quick          # smoke test (CI)
     python utils/depth_sweep.py --report_only    # rewrite the report from the saved records
+    python utils/depth_sweep.py --plan           # the runs left and their disk, as JSON; trains nothing
 
 Every depth uses the same width, data, tokens, schedule and seeds; only the number of layers changes. Each run is
 trained, then measured at three points through training with the repository's tools (utils/study/). For each

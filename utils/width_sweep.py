@@ -5,6 +5,7 @@
     python utils/width_sweep.py --budget gpu --device cuda   # adds hidden 512, 768, 1024: meant for one GPU
     python utils/width_sweep.py --quick           # smoke test (CI)
     python utils/width_sweep.py --report_only     # rewrite the report from the saved records
+    python utils/width_sweep.py --plan            # the runs left and their disk, as JSON; trains nothing
 
 Only the width changes. The head dim stays fixed (16, as in the depth sweep's hidden-64 model), so the number of heads
 grows with the width; the MLP stays 2.75 times the width; the depth (24 layers by default), the tokens, the schedule,
