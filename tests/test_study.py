@@ -993,3 +993,38 @@ def test_a_retrain_that_is_not_the_same_run_is_refused_and_nothing_is_written(ch
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "L6-lns-seed1.json" in err and named in err, err
     assert (tmp_path / "into" / "L6-lns-seed1.json").read_text() == before
+
+
+def test_a_one_seed_sweep_judges_depth_and_the_gap_on_the_held_out_documents():
+    """The Wikipedia pilot has one seed per run: the regime's slopes over seeds are not measurable, so each arm is
+    judged between consecutive recorded depths, and LNS against Pre-LN at each depth, on the per-document held-out
+    loss the runs' analyses share (a bootstrap over documents, said to hold the documents' noise, not the seed's).
+    With several seeds nothing is added (the committed reports stay as they are)."""
+    axis = sweep.Axis("L", "L", "layers L", "depth", (6, 12, 24))
+    documents = [7.0 + 2.0 * index / 7 for index in range(8)]
+
+    def per_document(norm, depth):  # deeper is better for LNS at every document; Pre-LN gets worse from 12 to 24
+        change = {6: 0.0, 12: -0.05, 24: -0.09 if norm == "lns" else +0.03}[depth]
+        return [value + change + 0.01 * math.sin(7 * index + depth) - (0.02 if norm == "lns" else 0.0)
+                for index, value in enumerate(documents)]
+
+    records = depth_records(lambda *key: 0.1, lambda norm, depth, seed: 4.5, depths=(6, 12, 24), seeds=(1,))
+    for name, record in records.items():
+        depth, norm = int(name.split("-")[0][1:]), name.split("-")[1]
+        record["analyses"]["4"].update(removal_document_nats=per_document(norm, depth),
+                                       removal_document_costs=[[0.01] * 8] * 8)
+    del records["L6-pre-seed1"]  # an arm compares the depths it has: Pre-LN 12 against 24 only
+    text, summary = depth_sweep.regime(axis, records, "the held-out Wikipedia articles")
+    assert text.startswith("**Not judged over seeds**")
+    found = {v["claim"]: v for v in summary["documents"]}
+    assert list(found) == ["Pre-LN: L=24 reaches a lower held-out loss than L=12 (L=24 − L=12)",
+                           "LNS: L=12 reaches a lower held-out loss than L=6 (L=12 − L=6)",
+                           "LNS: L=24 reaches a lower held-out loss than L=12 (L=24 − L=12)",
+                           "L=12: LNS reaches a lower held-out loss than Pre-LN (LNS − Pre-LN)",
+                           "L=24: LNS reaches a lower held-out loss than Pre-LN (LNS − Pre-LN)"]
+    assert found["Pre-LN: L=24 reaches a lower held-out loss than L=12 (L=24 − L=12)"]["status"] == verdicts.OPPOSITE
+    assert found["LNS: L=24 reaches a lower held-out loss than L=12 (L=24 − L=12)"]["status"] == verdicts.REPRODUCED
+    assert all(v["unit"] == "documents" and v["n_pairs"] == 8 for v in found.values())
+    assert "the held-out Wikipedia articles" in text and "not the seed's" in text
+    three_seeds = depth_records(lambda *key: 0.1, lambda norm, depth, seed: 4.5 + 0.01 * seed, depths=(6, 12, 24))
+    assert "documents" not in depth_sweep.regime(axis, three_seeds)[1]

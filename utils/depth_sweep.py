@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from peft_pretraining.cli import OneLineErrorParser
-from utils.study import cli, measures, plots, report, runs, verdicts
+from utils.study import claims, cli, measures, plots, report, runs, verdicts
 from utils.study.runs import RunSpec
 from utils.study.sweep import (
     BASE_CONFIG,
@@ -325,9 +325,39 @@ def arm_loss_verdicts(axis: Axis, records) -> dict[str, verdicts.Verdict]:
             for norm, label in NORMS.items()}
 
 
-def regime(axis: Axis, records) -> tuple[str, dict]:
+def heldout_text(settings: dict) -> str:
+    """The analyses' held-out text, in words."""
+    dataset = settings.get("dataset", runs.DEFAULT_DATASET)
+    return "the held-out novel" if dataset == runs.DEFAULT_DATASET else f"the held-out {dataset.capitalize()} articles"
+
+
+def document_verdicts(axis: Axis, records) -> list[verdicts.Verdict]:
+    """Where two runs share exactly one seed (a one-seed pilot), what a slope over seeds cannot judge, judged on the
+    held-out documents every run's analysis reads: each arm between consecutive recorded depths, and LNS against
+    Pre-LN at each depth. Empty when the records have several seeds."""
+    s = axis.symbol
+    pairs = []
+    for norm, label in NORMS.items():
+        recorded = [v for v in axis.values
+                    if any(x is not None for x in measures.by_seed(records, axis.arm(v, norm), "eval_loss").values())]
+        pairs += [(axis.arm(a, norm), axis.arm(b, norm),
+                   f"{label}: {s}={b} reaches a lower held-out loss than {s}={a} ({s}={b} − {s}={a})")
+                  for a, b in zip(recorded, recorded[1:])]
+    pairs += [(axis.arm(v, "pre"), axis.arm(v, "lns"),
+               f"{s}={v}: LNS reaches a lower held-out loss than Pre-LN (LNS − Pre-LN)") for v in axis.values]
+    found = []
+    for a, b, claim in pairs:
+        documents = claims.one_shared_seed_documents(records, a, b)
+        if documents is not None:
+            verdict = verdicts.judge_documents(claim, -1, documents[0]["heldout_nats"], documents[1]["heldout_nats"])
+            found.append(claims.documents_note(verdict, "the loss per word (nats; not the trainer's eval loss)"))
+    return found
+
+
+def regime(axis: Axis, records, heldout: str = "the held-out novel") -> tuple[str, dict]:
     """The regime the sweep lives in, in words and as a table: eval loss against the swept value per arm (mean
-    [95% t interval] over seeds), where each arm's loss is lowest, and the slope verdicts of arm_loss_verdicts."""
+    [95% t interval] over seeds), where each arm's loss is lowest, and the slope verdicts of arm_loss_verdicts;
+    with one seed, the comparisons of document_verdicts instead."""
     slopes = arm_loss_verdicts(axis, records)
     header = "| arm | " + " | ".join(f"{axis.symbol} = {v}" for v in axis.values) + " | lowest at | slope vs ln " \
         f"{axis.symbol} |\n|---|" + "---|" * (len(axis.values) + 2)
@@ -356,13 +386,23 @@ def regime(axis: Axis, records) -> tuple[str, dict]:
                  "regime of the paper's models (where a deeper model reaches a lower loss). A deep layer that the "
                  "loss does not need may be near the identity for reasons unrelated to the curse of depth, so every "
                  "conclusion of this report holds for this regime only.")
+    elif all(status == verdicts.NOT_MEASURABLE for status in helps.values()):
+        words = (f"**Not judged over seeds**: a slope of the eval loss against ln {axis.symbol} needs two seeds at "
+                 "two values or more.")
     else:
         words = ("**Mixed regime**: adding layers does not move both arms' eval loss the same way beyond noise ("
                  + "; ".join(f"{NORMS[n]}: {status}" for n, status in helps.items()) + "), so the regime of the "
                  "paper's models (more depth, lower loss) is not shown here.")
     summary = dict(slopes={norm: v.as_dict() for norm, v in slopes.items()}, lowest_at=lowest,
                    depth_pays={norm: status == verdicts.REPRODUCED for norm, status in helps.items()})
-    return words + "\n\n" + "\n".join([header, *rows]), summary
+    text = words + "\n\n" + "\n".join([header, *rows])
+    documents = document_verdicts(axis, records)
+    if documents:
+        text += (f"\n\nOne seed per run, so on the same held-out documents instead ({heldout}, whole documents that "
+                 "every run's removal analysis reads at its last checkpoint):\n\n"
+                 + "\n".join(f"- {v.line()}" for v in documents))
+        summary["documents"] = [v.as_dict() for v in documents]
+    return text, summary
 
 
 def gap_verdicts(axis: Axis, records) -> list[verdicts.Verdict]:
@@ -552,7 +592,7 @@ def write_report(args, records, skipped, started, argv, probe: dict | None = Non
     axis = depth_axis(args)
     comparisons = comparative_verdicts(axis, records)
     own = lns_own_slopes(axis, records)
-    regime_text, regime_summary = regime(axis, records)
+    regime_text, regime_summary = regime(axis, records, heldout_text(s))
     gaps = gap_verdicts(axis, records)
     rivals = rival_verdicts(args, records)
     probe_text, probe_summary = probe_section(args, probe, out, suffix)
