@@ -942,10 +942,11 @@ def _record_pair():
     committed = dict(version=1, arm="L6-lns", seed=1, flags=["--seed", "1"], status="finished", last_step=400,
                      tokens_seen=819200, analysis_settings={"max_seq_len": 128}, final_eval_loss=5.5,
                      train_curve=[[1, 9.0258], [3, 9.0267]], train_seconds=180.0,
-                     analyses={"400": {"variance": [1.0, 2.5], "angular_next": [0.25, None]}})
+                     analyses={"400": {"variance": [1.0, 2.5], "angular_next": [0.25, None], "removal_nats": [1e-5]}})
     retrained = json.loads(json.dumps(committed))
     retrained.update(final_eval_loss=5.5 * (1 + 3e-7), train_seconds=412.0, machine="elsewhere")
-    retrained["analyses"]["400"].update(variance=[1.0, 2.5 * (1 - 2e-6)], block_influence=[0.3, 0.01])
+    retrained["analyses"]["400"].update(variance=[1.0, 2.5 * (1 - 2e-6)], removal_nats=[1e-5 + 5e-7],
+                                        block_influence=[0.3, 0.01])
     return committed, retrained
 
 
@@ -964,7 +965,9 @@ def test_a_backfill_adds_what_the_record_lacks_and_keeps_what_it_has(tmp_path, c
     assert merged["train_seconds"] == 180.0 and "machine" not in merged
     info = merged["backfilled"]
     assert info["measures"] == ["block_influence"] and info["machine"] == "elsewhere"
-    assert info["values_compared"] == 6 and info["max_relative_difference"] == pytest.approx(2e-6, rel=1e-3)
+    assert info["values_compared"] == 7  # the eval loss, 2 of the curve, 2 variances, 1 angular, 1 removal cost
+    assert info["max_relative_difference"] == pytest.approx(5e-7 / 1.05e-5, rel=1e-3)  # a small value: within atol
+    assert info["max_absolute_difference"] == pytest.approx(5e-6, rel=1e-3)
     text = (tmp_path / "into" / "L6-lns-seed1.json").read_text()
     assert backfill.main(command) == 0 and (tmp_path / "into" / "L6-lns-seed1.json").read_text() == text  # nothing new
     assert "added block_influence" in capsys.readouterr().out
@@ -972,6 +975,8 @@ def test_a_backfill_adds_what_the_record_lacks_and_keeps_what_it_has(tmp_path, c
 
 @pytest.mark.parametrize("change, named", [
     (lambda r: r["analyses"]["400"].update(variance=[1.0, 2.6]), "analyses.400.variance[1]"),
+    (lambda r: r["analyses"]["400"].update(removal_nats=[1e-5 + 3e-6]), "analyses.400.removal_nats[0]"),  # > atol
+    (lambda r: r["analyses"]["400"].update(variance={"a": 1.0, "b": 2.5}), "analyses.400.variance"),
     (lambda r: r["analyses"]["400"].update(angular_next=[0.25, 0.1]), "analyses.400.angular_next[1]"),
     (lambda r: r["analyses"]["400"].pop("variance"), "analyses.400.variance"),
     (lambda r: r.update(flags=["--seed", "2"]), "flags"),

@@ -4,19 +4,21 @@ A record made before an instrument joined the study (block influence, the logit 
 lacks its values. Retraining the run with the same flags into a scratch report folder (`--out`) makes a record that
 has them; this adds them to the committed record and keeps every value the record already holds, so no committed
 number changes. A retrain is used only where it is the same run: its flags, analysis settings and status must be
-the record's, and every number both records hold (the curves, the eval loss, every analysis) must agree within
---rtol. Another host's float kernels may round differently: an AVX2 host retraining the float32 depth sweep that an
-AVX-512 host made agreed to about 1e-5 relative on every value (docs/study.md).
+the record's, and every number both records hold (the curves, the eval loss, every analysis) must agree:
+|a - b| <= rtol * max(|a|, |b|) + atol. Another host's float kernels may round differently: an AVX2 host retraining
+the float32 depth sweep that an AVX-512 host made agreed to about 1e-5 relative, and to about 1e-5 in absolute
+terms on values near zero such as a removal cost, a small difference of two log-perplexities (docs/study.md).
 
     python -m utils.study.backfill --into docs/depth_sweep/runs --retrained runs/depth_sweep_bi_report/runs
 
 Each record that gains values also gains `backfilled`: the measures added, the retrain's machine, and the largest
-relative difference over the values compared. Records without a retrain, or with nothing to add, are left as they
-are. A retrain that disagrees is a one-line error naming the record and the value, and nothing is written.
+relative and absolute differences over the values compared. Records without a retrain, or with nothing to add, are
+left as they are. A retrain that disagrees is a one-line error naming the record and the value, and nothing is written.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -37,29 +39,45 @@ class Disagreement(ValueError):
     pass
 
 
-def compare(committed, retrained, where: str, rtol: float) -> tuple[int, float]:
-    """(numbers compared, largest relative difference) over the values `committed` holds; Disagreement beyond rtol
-    or where the two differ in shape or in a value that is not a float."""
-    if isinstance(committed, dict) and isinstance(retrained, dict):
-        totals = [compare(value, retrained.get(key), f"{where}.{key}" if where else key, rtol)
-                  for key, value in committed.items()]
-        return sum(count for count, _ in totals), max((worst for _, worst in totals), default=0.0)
-    if isinstance(committed, list) and isinstance(retrained, list) and len(committed) == len(retrained):
-        totals = [compare(a, b, f"{where}[{index}]", rtol) for index, (a, b) in enumerate(zip(committed, retrained))]
-        return sum(count for count, _ in totals), max((worst for _, worst in totals), default=0.0)
+@dataclasses.dataclass
+class Agreement:
+    compared: int = 0  # numbers compared
+    relative: float = 0.0  # the largest relative difference
+    absolute: float = 0.0  # the largest absolute difference
+
+    def add(self, other: Agreement) -> Agreement:
+        return Agreement(self.compared + other.compared, max(self.relative, other.relative),
+                         max(self.absolute, other.absolute))
+
+
+def compare(committed, retrained, where: str, rtol: float, atol: float) -> Agreement:
+    """How closely the retrain's values match those `committed` holds; Disagreement beyond the tolerance, or where
+    the two differ in shape or in a value that is not a float."""
+    if isinstance(committed, (dict, list)):
+        if isinstance(committed, dict) and isinstance(retrained, dict):
+            pairs = [(value, retrained.get(key), f"{where}.{key}" if where else key)
+                     for key, value in committed.items()]
+        elif isinstance(committed, list) and isinstance(retrained, list) and len(committed) == len(retrained):
+            pairs = [(a, b, f"{where}[{index}]") for index, (a, b) in enumerate(zip(committed, retrained))]
+        else:
+            raise Disagreement(f"{where}: {committed!r} against the retrain's {retrained!r}")
+        total = Agreement()
+        for a, b, inner in pairs:
+            total = total.add(compare(a, b, inner, rtol, atol))
+        return total
     if isinstance(committed, float) and isinstance(retrained, (int, float)) and not isinstance(retrained, bool):
-        scale = max(abs(committed), abs(retrained))
-        relative = 0.0 if committed == retrained else abs(committed - retrained) / scale
-        if relative > rtol:
-            raise Disagreement(f"{where}: {committed!r} against the retrain's {retrained!r} "
-                               f"({relative:.1e} relative, over --rtol {rtol:g})")
-        return 1, relative
+        absolute = abs(committed - retrained)
+        if absolute > rtol * max(abs(committed), abs(retrained)) + atol:
+            raise Disagreement(f"{where}: {committed!r} against the retrain's {retrained!r} (over --rtol {rtol:g} "
+                               f"with --atol {atol:g})")
+        relative = 0.0 if absolute == 0 else absolute / max(abs(committed), abs(retrained))
+        return Agreement(1, relative, absolute)
     if committed != retrained:
         raise Disagreement(f"{where}: {committed!r} against the retrain's {retrained!r}")
-    return 0, 0.0
+    return Agreement()
 
 
-def backfilled(committed: dict, retrained: dict, rtol: float) -> dict | None:
+def backfilled(committed: dict, retrained: dict, rtol: float, atol: float) -> dict | None:
     """The committed record with the analyses' measures it lacks taken from the retrain; None when it lacks none."""
     for key in IDENTITY:
         if committed.get(key) != retrained.get(key):
@@ -67,7 +85,7 @@ def backfilled(committed: dict, retrained: dict, rtol: float) -> dict | None:
     if recorded_settings(committed) != recorded_settings(retrained):
         raise Disagreement(f"analysis_settings: {committed.get('analysis_settings')} against the retrain's "
                            f"{retrained.get('analysis_settings')}")
-    count, worst = compare({key: committed[key] for key in COMPARED if key in committed}, retrained, "", rtol)
+    agreement = compare({key: committed[key] for key in COMPARED if key in committed}, retrained, "", rtol, atol)
     record = json.loads(json.dumps(committed))
     added: set[str] = set()
     for step, analysis in record["analyses"].items():
@@ -76,8 +94,9 @@ def backfilled(committed: dict, retrained: dict, rtol: float) -> dict | None:
         added |= set(missing)
     if not added:
         return None
-    record["backfilled"] = dict(measures=sorted(added), machine=retrained.get("machine"), values_compared=count,
-                                max_relative_difference=worst)
+    record["backfilled"] = dict(measures=sorted(added), machine=retrained.get("machine"),
+                                values_compared=agreement.compared, max_relative_difference=agreement.relative,
+                                max_absolute_difference=agreement.absolute)
     return record
 
 
@@ -87,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--into", required=True, help="the committed records' folder (<report>/runs)")
     parser.add_argument("--retrained", required=True, help="the retrain's records' folder (<scratch report>/runs)")
     parser.add_argument("--rtol", type=float, default=1e-4,
-                        help="largest relative difference allowed between a number of the record and the retrain's")
+                        help="relative part of the difference allowed between a number of the record and the retrain's")
+    parser.add_argument("--atol", type=float, default=1e-6,
+                        help="absolute part of it: |a - b| <= rtol * max(|a|, |b|) + atol")
     return parser
 
 
@@ -98,14 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     for flag, folder in (("--into", into), ("--retrained", retrained_dir)):
         if not folder.is_dir():
             parser.error(f"{flag}: no folder {folder}")
-    if not args.rtol > 0:
-        parser.error(f"--rtol must be positive, got {args.rtol}")
+    for flag, value in (("--rtol", args.rtol), ("--atol", args.atol)):
+        if not value >= 0:
+            parser.error(f"{flag} must be zero or positive, got {value}")
     updates = {}
     for path in sorted(retrained_dir.glob("*.json")):
         if not (into / path.name).exists():
             continue
         try:
-            record = backfilled(json.loads((into / path.name).read_text()), json.loads(path.read_text()), args.rtol)
+            record = backfilled(json.loads((into / path.name).read_text()), json.loads(path.read_text()),
+                                args.rtol, args.atol)
         except Disagreement as error:
             parser.error(f"{path.name}: the retrain is not the same run: {error}")
         if record is not None:
@@ -114,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json_atomic(path, record, indent=1)
         info = record["backfilled"]
         print(f"{path}: added {', '.join(info['measures'])} ({info['values_compared']} values agree, at most "
-              f"{info['max_relative_difference']:.1e} relative)")
+              f"{info['max_relative_difference']:.1e} relative and {info['max_absolute_difference']:.1e} absolute)")
     return 0
 
 
