@@ -832,10 +832,11 @@ def test_comparative_depth_verdicts_tell_a_narrowing_gap_from_a_growing_ratio():
     assert influence.gap.status == verdicts.NOT_MEASURABLE and "LNS's records" in influence.gap.reason
     assert "| not measurable |" in depth_sweep.comparative_section([influence])
 
-    words, summary = depth_sweep.regime(axis, diverging)
+    words, summary = depth_sweep.regime(axis, diverging, "the held-out novel")
     assert words.startswith("**Depth does not pay here**") and summary["depth_pays"] == {"pre": False, "lns": False}
     assert summary["lowest_at"] == {"pre": 6, "lns": 6}
-    words, summary = depth_sweep.regime(axis, depth_records(lambda *key: 0.1, lambda n, d, s: loss(n, 96 // d, s)))
+    words, summary = depth_sweep.regime(axis, depth_records(lambda *key: 0.1, lambda n, d, s: loss(n, 96 // d, s)),
+                                        "the held-out novel")
     assert words.startswith("**Depth pays here**") and summary["lowest_at"] == {"pre": 48, "lns": 48}
 
 
@@ -934,6 +935,8 @@ def test_every_study_plans_what_is_left_without_training(script, tmp_path, capsy
     (tmp_path / "report" / "runs" / f"{first.name}.json").write_text(json.dumps(record))
     after = plan()
     assert after["recorded"] == 1 and after["left"] == before["left"][1:] and after["recorded_run_seconds"] == [65]
+    argv.append("--fresh")  # every run retrains
+    assert plan()["left"] == before["left"]
 
 
 def _record_pair():
@@ -963,7 +966,7 @@ def test_a_backfill_adds_what_the_record_lacks_and_keeps_what_it_has(tmp_path, c
     assert merged["analyses"]["400"]["block_influence"] == [0.3, 0.01]
     assert merged["analyses"]["400"]["variance"] == [1.0, 2.5] and merged["final_eval_loss"] == 5.5
     assert merged["train_seconds"] == 180.0 and "machine" not in merged
-    info = merged["backfilled"]
+    [info] = merged["backfilled"]
     assert info["measures"] == ["block_influence"] and info["machine"] == "elsewhere"
     assert info["values_compared"] == 7  # the eval loss, 2 of the curve, 2 variances, 1 angular, 1 removal cost
     assert info["max_relative_difference"] == pytest.approx(5e-7 / 1.05e-5, rel=1e-3)  # a small value: within atol
@@ -971,6 +974,11 @@ def test_a_backfill_adds_what_the_record_lacks_and_keeps_what_it_has(tmp_path, c
     text = (tmp_path / "into" / "L6-lns-seed1.json").read_text()
     assert backfill.main(command) == 0 and (tmp_path / "into" / "L6-lns-seed1.json").read_text() == text  # nothing new
     assert "added block_influence" in capsys.readouterr().out
+    retrained["analyses"]["400"]["lens_kl"] = [0.5, 0.0]  # a later instrument: a second entry, the first kept
+    (tmp_path / "retrained" / "L6-lns-seed1.json").write_text(json.dumps(retrained))
+    assert backfill.main(command) == 0
+    merged = json.loads((tmp_path / "into" / "L6-lns-seed1.json").read_text())
+    assert [entry["measures"] for entry in merged["backfilled"]] == [["block_influence"], ["lens_kl"]]
 
 
 @pytest.mark.parametrize("change, named", [
@@ -980,24 +988,30 @@ def test_a_backfill_adds_what_the_record_lacks_and_keeps_what_it_has(tmp_path, c
     (lambda r: r["analyses"]["400"].update(angular_next=[0.25, 0.1]), "analyses.400.angular_next[1]"),
     (lambda r: r["analyses"]["400"].pop("variance"), "analyses.400.variance"),
     (lambda r: r.update(flags=["--seed", "2"]), "flags"),
+    (lambda r: r.update(final_eval_loss=float("nan")), "final_eval_loss"),
     (lambda r: r.update(analysis_settings={"max_seq_len": 256}), "analysis_settings"),
 ])
 def test_a_retrain_that_is_not_the_same_run_is_refused_and_nothing_is_written(change, named, tmp_path, capsys):
+    """Beside a retrain that agrees (L6-lns-seed1, read first), one that does not (L6-lns-seed2): a one-line error
+    naming the second and its value, and neither record written."""
     from utils.study import backfill
 
-    committed, retrained = _record_pair()
-    change(retrained)
     (tmp_path / "into").mkdir()
     (tmp_path / "retrained").mkdir()
-    (tmp_path / "into" / "L6-lns-seed1.json").write_text(json.dumps(committed, indent=1) + "\n")
-    (tmp_path / "retrained" / "L6-lns-seed1.json").write_text(json.dumps(retrained))
-    before = (tmp_path / "into" / "L6-lns-seed1.json").read_text()
+    for seed in (1, 2):
+        committed, retrained = _record_pair()
+        committed["seed"] = retrained["seed"] = seed
+        if seed == 2:
+            change(retrained)
+        (tmp_path / "into" / f"L6-lns-seed{seed}.json").write_text(json.dumps(committed, indent=1) + "\n")
+        (tmp_path / "retrained" / f"L6-lns-seed{seed}.json").write_text(json.dumps(retrained))
+    before = {path.name: path.read_text() for path in (tmp_path / "into").iterdir()}
     with pytest.raises(SystemExit) as exit_info:
         backfill.main(["--into", str(tmp_path / "into"), "--retrained", str(tmp_path / "retrained")])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "L6-lns-seed1.json" in err and named in err, err
-    assert (tmp_path / "into" / "L6-lns-seed1.json").read_text() == before
+    assert err.count("\n") == 1 and "--retrained: L6-lns-seed2.json" in err and named in err, err
+    assert {path.name: path.read_text() for path in (tmp_path / "into").iterdir()} == before
 
 
 def test_a_one_seed_sweep_judges_depth_and_the_gap_on_the_held_out_documents():
@@ -1031,5 +1045,14 @@ def test_a_one_seed_sweep_judges_depth_and_the_gap_on_the_held_out_documents():
     assert found["LNS: L=24 reaches a lower held-out loss than L=12 (L=24 − L=12)"]["status"] == verdicts.REPRODUCED
     assert all(v["unit"] == "documents" and v["n_pairs"] == 8 for v in found.values())
     assert "the held-out Wikipedia articles" in text and "not the seed's" in text
-    three_seeds = depth_records(lambda *key: 0.1, lambda norm, depth, seed: 4.5 + 0.01 * seed, depths=(6, 12, 24))
-    assert "documents" not in depth_sweep.regime(axis, three_seeds)[1]
+    # Three seeds, every run with per-document values, and one depth where a single seed finished: the slopes are
+    # measurable, so nothing is judged on documents, not even that depth's pair.
+    three_seeds = depth_records(lambda *key: 0.1, lambda norm, depth, seed: 4.5 + 0.01 * seed * depth,
+                                depths=(6, 12, 24))
+    for name, record in three_seeds.items():
+        record["analyses"]["4"].update(removal_document_nats=documents, removal_document_costs=[[0.01] * 8] * 8)
+    for seed in (2, 3):
+        three_seeds[f"L24-pre-seed{seed}"]["status"] = "diverged"
+    text, summary = depth_sweep.regime(axis, three_seeds, "the held-out novel")
+    assert summary["slopes"]["lns"]["status"] != verdicts.NOT_MEASURABLE
+    assert "documents" not in summary and "held-out documents" not in text

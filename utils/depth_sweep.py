@@ -332,9 +332,8 @@ def heldout_text(settings: dict) -> str:
 
 
 def document_verdicts(axis: Axis, records) -> list[verdicts.Verdict]:
-    """Where two runs share exactly one seed (a one-seed pilot), what a slope over seeds cannot judge, judged on the
-    held-out documents every run's analysis reads: each arm between consecutive recorded depths, and LNS against
-    Pre-LN at each depth. Empty when the records have several seeds."""
+    """Each arm between consecutive recorded depths, and LNS against Pre-LN at each depth, judged on the held-out
+    documents every run's analysis reads, for the pairs of runs that share exactly one seed (see regime)."""
     s = axis.symbol
     pairs = []
     for norm, label in NORMS.items():
@@ -354,10 +353,10 @@ def document_verdicts(axis: Axis, records) -> list[verdicts.Verdict]:
     return found
 
 
-def regime(axis: Axis, records, heldout: str = "the held-out novel") -> tuple[str, dict]:
+def regime(axis: Axis, records, heldout: str) -> tuple[str, dict]:
     """The regime the sweep lives in, in words and as a table: eval loss against the swept value per arm (mean
-    [95% t interval] over seeds), where each arm's loss is lowest, and the slope verdicts of arm_loss_verdicts;
-    with one seed, the comparisons of document_verdicts instead."""
+    [95% t interval] over seeds), where each arm's loss is lowest, and the slope verdicts of arm_loss_verdicts.
+    When neither arm's slope is measurable (one seed, as in a pilot), also the comparisons of document_verdicts."""
     slopes = arm_loss_verdicts(axis, records)
     header = "| arm | " + " | ".join(f"{axis.symbol} = {v}" for v in axis.values) + " | lowest at | slope vs ln " \
         f"{axis.symbol} |\n|---|" + "---|" * (len(axis.values) + 2)
@@ -396,10 +395,11 @@ def regime(axis: Axis, records, heldout: str = "the held-out novel") -> tuple[st
     summary = dict(slopes={norm: v.as_dict() for norm, v in slopes.items()}, lowest_at=lowest,
                    depth_pays={norm: status == verdicts.REPRODUCED for norm, status in helps.items()})
     text = words + "\n\n" + "\n".join([header, *rows])
-    documents = document_verdicts(axis, records)
+    documents = document_verdicts(axis, records) if all(
+        status == verdicts.NOT_MEASURABLE for status in helps.values()) else []
     if documents:
-        text += (f"\n\nOne seed per run, so on the same held-out documents instead ({heldout}, whole documents that "
-                 "every run's removal analysis reads at its last checkpoint):\n\n"
+        text += (f"\n\nWith one seed per run, the runs are compared on the same held-out documents ({heldout}, whole "
+                 "documents that every run's removal analysis reads at its last checkpoint):\n\n"
                  + "\n".join(f"- {v.line()}" for v in documents))
         summary["documents"] = [v.as_dict() for v in documents]
     return text, summary
@@ -671,8 +671,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     started = time.time()
-    if args.plan:  # the sweep's runs; the overfitting probe is one run more
-        print(json.dumps(report.plan(args, run_specs(args)), indent=1))
+    if args.plan:
+        print(json.dumps(report.plan(args, run_specs(args) + ([probe_spec(args)] if args.overfit_probe else [])),
+                         indent=1))
         return 0
     records, skipped = runs.collect_records(args, run_specs(args))
     probe = collect_probe(args)

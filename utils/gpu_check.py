@@ -267,9 +267,13 @@ def stage_width_sweep_plan(check: Check):
     """What the width sweep's GPU call has left (utils/width_sweep.py --plan, which reads records and needs no GPU):
     runs without a committed record, the disk the largest writes, and the jobs that the disk lets run at once (each
     run's seconds where a GPU record has them)."""
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "utils/width_sweep.py", *WIDTH_SWEEP, "--plan"], cwd=REPO,
-                          capture_output=True, text=True, check=True)
+    start, command = time.perf_counter(), [sys.executable, "utils/width_sweep.py", *WIDTH_SWEEP, "--plan"]
+    proc = subprocess.run(command, cwd=REPO, env=check.env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    (check.out / "width_sweep_plan.log").write_text(f"$ {' '.join(command)}\n{proc.stderr}")
+    if proc.returncode != 0:
+        check.record("width_sweep_plan", ok=False, seconds=time.perf_counter() - start, exit=proc.returncode,
+                     error=(proc.stderr.strip().splitlines() or ["no message"])[-1])
+        return
     plan = json.loads(proc.stdout)
     disk = DEVICE_DISK_GB * 1e9 if check.rehearse else shutil.disk_usage(check.out).free
     jobs = max(1, min(6, int(0.9 * disk // plan["largest_run_bytes"])))

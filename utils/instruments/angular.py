@@ -19,7 +19,6 @@ from utils import model_io
 _CHUNK_BYTES = 256 * 1024 * 1024
 
 
-
 class AngularDistanceAccumulator:
     """Running sums of angular distances over tokens for every pair of depths.
 

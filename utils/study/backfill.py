@@ -11,15 +11,17 @@ terms on values near zero such as a removal cost, a small difference of two log-
 
     python -m utils.study.backfill --into docs/depth_sweep/runs --retrained runs/depth_sweep_bi_report/runs
 
-Each record that gains values also gains `backfilled`: the measures added, the retrain's machine, and the largest
-relative and absolute differences over the values compared. Records without a retrain, or with nothing to add, are
-left as they are. A retrain that disagrees is a one-line error naming the record and the value, and nothing is written.
+Each record that gains values also gains an entry in `backfilled`: the measures added, the retrain's machine, and
+the largest relative and absolute differences over the values compared. Records without a retrain, or with nothing
+to add, are left as they are. A retrain that disagrees is a one-line error naming the record and the value, and
+nothing is written.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -31,8 +33,6 @@ from utils.study.runs import recorded_settings
 IDENTITY = ("version", "arm", "seed", "flags", "status", "last_step", "tokens_seen")
 # The numbers both records hold, compared within the tolerance (analyses: every measure the record has).
 COMPARED = ("final_eval_loss", "eval_curve", "train_curve", "norm_gain_curve", "analyses")
-# Where and how fast it ran: different by nature, neither compared nor copied.
-HOST_FIELDS = ("train_seconds", "analysis_seconds", "tokens_per_s_median", "machine", "device", "diverged_reason")
 
 
 class Disagreement(ValueError):
@@ -66,6 +66,10 @@ def compare(committed, retrained, where: str, rtol: float, atol: float) -> Agree
             total = total.add(compare(a, b, inner, rtol, atol))
         return total
     if isinstance(committed, float) and isinstance(retrained, (int, float)) and not isinstance(retrained, bool):
+        if not (math.isfinite(committed) and math.isfinite(retrained)):  # NaN or inf agrees only with itself
+            if not (committed == retrained or math.isnan(committed) and math.isnan(retrained)):
+                raise Disagreement(f"{where}: {committed!r} against the retrain's {retrained!r}")
+            return Agreement(1)
         absolute = abs(committed - retrained)
         if absolute > rtol * max(abs(committed), abs(retrained)) + atol:
             raise Disagreement(f"{where}: {committed!r} against the retrain's {retrained!r} (over --rtol {rtol:g} "
@@ -94,9 +98,9 @@ def backfilled(committed: dict, retrained: dict, rtol: float, atol: float) -> di
         added |= set(missing)
     if not added:
         return None
-    record["backfilled"] = dict(measures=sorted(added), machine=retrained.get("machine"),
-                                values_compared=agreement.compared, max_relative_difference=agreement.relative,
-                                max_absolute_difference=agreement.absolute)
+    record["backfilled"] = [*committed.get("backfilled", []), dict(
+        measures=sorted(added), machine=retrained.get("machine"), values_compared=agreement.compared,
+        max_relative_difference=agreement.relative, max_absolute_difference=agreement.absolute)]
     return record
 
 
@@ -130,12 +134,12 @@ def main(argv: list[str] | None = None) -> int:
             record = backfilled(json.loads((into / path.name).read_text()), json.loads(path.read_text()),
                                 args.rtol, args.atol)
         except Disagreement as error:
-            parser.error(f"{path.name}: the retrain is not the same run: {error}")
+            parser.error(f"--retrained: {path.name} is not the same run as its record: {error}")
         if record is not None:
             updates[into / path.name] = record
     for path, record in updates.items():  # only once every retrain has been checked
         write_json_atomic(path, record, indent=1)
-        info = record["backfilled"]
+        info = record["backfilled"][-1]
         print(f"{path}: added {', '.join(info['measures'])} ({info['values_compared']} values agree, at most "
               f"{info['max_relative_difference']:.1e} relative and {info['max_absolute_difference']:.1e} absolute)")
     return 0

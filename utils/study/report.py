@@ -8,7 +8,6 @@ from pathlib import Path
 
 from utils.study import runs
 from utils.study.host import machine_description, records_machines, software_versions
-from utils.study.runs import DEFAULT_DATASET, RunSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +26,7 @@ class Frame:
         return Path(path).resolve().relative_to(self.out.resolve())
 
 
-def frame(script: str, args, argv: list[str], started: float, records: dict, skipped: list[RunSpec],
+def frame(script: str, args, argv: list[str], started: float, records: dict, skipped: list[runs.RunSpec],
           expected: int) -> Frame:
     args.out.mkdir(parents=True, exist_ok=True)
     reused = sum(r.get("reused") == "record" for r in records.values())
@@ -65,7 +64,7 @@ def sitting_clause(argv: list[str], started: float, reused: int) -> str:
             "earlier invocations.")
 
 
-def run_status(records: dict, expected: int, skipped: list[RunSpec], shown: int = 8) -> str:
+def run_status(records: dict, expected: int, skipped: list[runs.RunSpec], shown: int = 8) -> str:
     """Complete, or partial with the first `shown` missing runs named."""
     if len(records) == expected:
         return f"**Complete**: all {expected} runs."
@@ -80,10 +79,11 @@ def run_status(records: dict, expected: int, skipped: list[RunSpec], shown: int 
             "next invocation.")
 
 
-def plan(args, specs: list[RunSpec]) -> dict:
+def plan(args, specs: list[runs.RunSpec]) -> dict:
     """What the study has left (its --plan): runs, those recorded, the names of those left, the disk the largest run
-    left writes (of all runs, when none is left) and the recorded runs' measured seconds."""
-    records = runs.saved_records(args, specs)
+    left writes (of all runs, when none is left) and the recorded runs' measured seconds. Under --fresh every run is
+    left, as every run retrains."""
+    records = {} if args.fresh else runs.saved_records(args, specs)
     specs = runs.as_trained(args, specs)
     left = [spec for spec in specs if spec.name not in records]
     seconds = (run_seconds(record) for record in records.values())
@@ -99,7 +99,7 @@ def run_seconds(record: dict) -> float | None:
     return record["train_seconds"] + record["analysis_seconds"]
 
 
-def projected_wall_minutes(specs: list[RunSpec], records: dict, lanes: int) -> float | None:
+def projected_wall_minutes(specs: list[runs.RunSpec], records: dict, lanes: int) -> float | None:
     """Wall time of running `specs` from scratch on `lanes` lanes, each run taking its record's measured time.
 
     It replays run_jobs's schedule: runs start in spec order, each on the first lane to come free. None when a spec
@@ -115,7 +115,7 @@ def projected_wall_minutes(specs: list[RunSpec], records: dict, lanes: int) -> f
     return max(free_at) / 60
 
 
-def wall_time_sentence(specs: list[RunSpec], records: dict, lanes: int) -> str:
+def wall_time_sentence(specs: list[runs.RunSpec], records: dict, lanes: int) -> str:
     """What the report says about how long the budget takes from scratch."""
     projected = projected_wall_minutes(specs, records, lanes)
     if projected is None:
@@ -144,7 +144,7 @@ def embedded_train_tokens() -> int:
 def train_split_tokens(settings: dict) -> int:
     """Tokens in a budget's training split, EOS included. The Wikipedia count is stored (measured once, checked by
     tests/test_wikipedia_data.py where the corpus is present): a report is rewritten without the corpus."""
-    if settings.get("dataset", DEFAULT_DATASET) == DEFAULT_DATASET:
+    if settings.get("dataset", runs.DEFAULT_DATASET) == runs.DEFAULT_DATASET:
         return embedded_train_tokens()
     from peft_pretraining.wikipedia_corpus import TRAIN_TOKENS
 
