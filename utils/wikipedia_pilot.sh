@@ -12,6 +12,7 @@
 # float32, eager: on a CPU without bf16 instructions --dtype mixed is about 3x slower (docs/study.md).
 set -u
 cd "$(dirname "$0")/.." || exit 1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's code, also in a worktree beside the installed one
 BUDGET=${1:-wikipedia_pilot}
 FLAGS=(--budget "$BUDGET" --dtype float32 --no-compile)
 REPORT=docs/depth_sweep_wikipedia
