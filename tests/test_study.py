@@ -358,6 +358,23 @@ def test_depth_sweep_quick_end_to_end_then_reuses_every_record(tmp_path):
     assert len(analysed["lens_kl"]) == 4 and 1 <= analysed["prediction_depth_mean"] <= 4  # and its logit lens
     assert len(analysed["removal_document_nats"]) == 2 and len(analysed["removal_document_costs"]) == 4  # 2 documents
     assert len(measures.document_measures(record)["removal_deep"]) == 2
+    # A record made before block influence and the logit lens gets them back from its checkpoints, measured again
+    # (the same host and code: every shared value agrees exactly), and the other records are left as they are.
+    from utils.study import backfill
+
+    record_path = out / "runs" / "L4-lns-seed1.json"
+    older = json.loads(record_path.read_text())
+    for analysis in older["analyses"].values():
+        for later in ("block_influence", "lens_kl", "lens_top1_agreement", "prediction_depth_mean"):
+            del analysis[later]
+    record_path.write_text(json.dumps(older, indent=1) + "\n")
+    others = {path.name: path.read_text() for path in (out / "runs").glob("*.json") if path != record_path}
+    assert backfill.main(["--into", str(out / "runs"), "--reanalyse", str(runs)]) == 0
+    restored = json.loads(record_path.read_text())
+    assert restored["analyses"] == record["analyses"]
+    [entry] = restored["backfilled"]
+    assert entry["max_absolute_difference"] == 0 and entry["values_compared"] > 50
+    assert {path.name: path.read_text() for path in (out / "runs").glob("*.json") if path != record_path} == others
     # A second invocation, with the runs folder gone, reuses the committed records and trains nothing.
     shutil.rmtree(runs)
     assert depth_sweep.main(["--quick", *float32_eager, "--out", str(out), "--runs_dir", str(runs)]) == 0
@@ -1056,3 +1073,30 @@ def test_a_one_seed_sweep_judges_depth_and_the_gap_on_the_held_out_documents():
     text, summary = depth_sweep.regime(axis, three_seeds, "the held-out novel")
     assert summary["slopes"]["lns"]["status"] != verdicts.NOT_MEASURABLE
     assert "documents" not in summary and "held-out documents" not in text
+
+
+def test_a_reanalysis_backfills_the_records_whose_checkpoints_remain(tmp_path, monkeypatch, capsys):
+    """--reanalyse measures each record's analysed checkpoints again (here a stand-in for the analysis adds block
+    influence); a record whose run folder lacks a checkpoint is named and left as it is."""
+    from utils.study import backfill
+
+    committed, _ = _record_pair()
+    committed["analysis_settings"] = dict(max_seq_len=128, stream_tokens=64, jacobian_tokens=2, jacobian_probes=0,
+                                          removal_documents=2)
+    (tmp_path / "into").mkdir()
+    for seed in (1, 2):
+        (tmp_path / "into" / f"L6-lns-seed{seed}.json").write_text(json.dumps(dict(committed, seed=seed), indent=1))
+    (tmp_path / "runs" / "L6-lns-seed1" / "model_400").mkdir(parents=True)  # seed 2's checkpoints are gone
+    measured = []
+
+    def analyse_run(run_dir, steps, settings, log_path, env, analyses_name):
+        measured.append((run_dir.name, steps, settings.max_seq_len, env["OMP_NUM_THREADS"]))
+        return {"400": dict(committed["analyses"]["400"], block_influence=[0.2, 0.05])}
+
+    monkeypatch.setattr(runs, "analyse_run", analyse_run)
+    assert backfill.main(["--into", str(tmp_path / "into"), "--reanalyse", str(tmp_path / "runs")]) == 0
+    assert measured == [("L6-lns-seed1", [400], 128, "1")]
+    first = json.loads((tmp_path / "into" / "L6-lns-seed1.json").read_text())
+    assert first["analyses"]["400"]["block_influence"] == [0.2, 0.05] and first["final_eval_loss"] == 5.5
+    assert "block_influence" not in json.loads((tmp_path / "into" / "L6-lns-seed2.json").read_text())["analyses"]["400"]
+    assert "L6-lns-seed2.json: no checkpoints" in capsys.readouterr().err

@@ -1,20 +1,23 @@
-"""Measures a committed record predates, added from a retrain of the same run.
+"""Measures a committed record predates, added from a re-analysis of its checkpoints or a retrain of the same run.
 
 A record made before an instrument joined the study (block influence, the logit lens, per-document removal costs)
-lacks its values. Retraining the run with the same flags into a scratch report folder (`--out`) makes a record that
-has them; this adds them to the committed record and keeps every value the record already holds, so no committed
-number changes. A retrain is used only where it is the same run: its flags, analysis settings and status must be
-the record's, and every number both records hold (the curves, the eval loss, every analysis) must agree:
+lacks its values. Where the run's checkpoints are still in its runs folder, --reanalyse measures them again with
+today's instruments and the record's analysis settings. Where they are gone, retraining the run with the same flags
+into a scratch report folder (the study's `--out`) makes a record that has them (--retrained). Either way this adds
+the missing values to the committed record and keeps every value it already holds, so no committed number changes.
+The other record is used only where it is the same run: its flags, analysis settings and status must be the
+record's, and every number both hold (the curves, the eval loss, every analysis) must agree:
 |a - b| <= rtol * max(|a|, |b|) + atol. Another host's float kernels may round differently: an AVX2 host retraining
 the float32 depth sweep that an AVX-512 host made agreed to about 1e-5 relative, and to about 1e-5 in absolute
 terms on values near zero such as a removal cost, a small difference of two log-perplexities (docs/study.md).
 
     python -m utils.study.backfill --into docs/depth_sweep/runs --retrained runs/depth_sweep_bi_report/runs
+    python -m utils.study.backfill --into docs/depth_sweep_wikipedia/runs --reanalyse runs/depth_sweep_wikipedia
 
-Each record that gains values also gains an entry in `backfilled`: the measures added, the retrain's machine, and
-the largest relative and absolute differences over the values compared. Records without a retrain, or with nothing
-to add, are left as they are. A retrain that disagrees is a one-line error naming the record and the value, and
-nothing is written.
+Each record that gains values also gains an entry in `backfilled`: the measures added, the machine that measured
+them, and the largest relative and absolute differences over the values compared. Records with nothing to add, or
+without checkpoints or a retrain, are left as they are. One that disagrees is a one-line error naming the record and
+the value, and nothing is written.
 """
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ from pathlib import Path
 
 from peft_pretraining.cli import OneLineErrorParser
 from peft_pretraining.run_folder import write_json_atomic
-from utils.study.runs import recorded_settings
+from utils.study import runs
+from utils.study.host import machine_description
 
 # What a run is: these must be equal for a retrain to stand in for the record.
 IDENTITY = ("version", "arm", "seed", "flags", "status", "last_step", "tokens_seen")
@@ -86,7 +90,7 @@ def backfilled(committed: dict, retrained: dict, rtol: float, atol: float) -> di
     for key in IDENTITY:
         if committed.get(key) != retrained.get(key):
             raise Disagreement(f"{key}: {committed.get(key)!r} against the retrain's {retrained.get(key)!r}")
-    if recorded_settings(committed) != recorded_settings(retrained):
+    if runs.recorded_settings(committed) != runs.recorded_settings(retrained):
         raise Disagreement(f"analysis_settings: {committed.get('analysis_settings')} against the retrain's "
                            f"{retrained.get('analysis_settings')}")
     agreement = compare({key: committed[key] for key in COMPARED if key in committed}, retrained, "", rtol, atol)
@@ -108,7 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog="python -m utils.study.backfill", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--into", required=True, help="the committed records' folder (<report>/runs)")
-    parser.add_argument("--retrained", required=True, help="the retrain's records' folder (<scratch report>/runs)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--retrained", help="the retrain's records' folder (<scratch report>/runs)")
+    source.add_argument("--reanalyse", help="the runs folder that still holds the records' runs and their checkpoints "
+                                            "(each record's run in <folder>/<arm>-seed<seed>)")
     parser.add_argument("--rtol", type=float, default=1e-4,
                         help="relative part of the difference allowed between a number of the record and the retrain's")
     parser.add_argument("--atol", type=float, default=1e-6,
@@ -116,28 +123,53 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def reanalysed(record: dict, run_dir: Path) -> dict:
+    """The record with its analyses measured again on the run's checkpoints, with its own analysis settings."""
+    settings = runs.AnalysisSettings(**runs.recorded_settings(record))
+    analyses = runs.analyse_run(run_dir, [int(step) for step in record["analyses"]], settings,
+                                run_dir / "reanalysis.log", runs.job_env(), "reanalysis.json")
+    return dict(record, analyses=analyses, machine=machine_description(settings.device))
+
+
+def candidates(args, into: Path) -> list[tuple[Path, dict]]:
+    """(committed record's path, the same run's record to take measures from), for every record that has one."""
+    found = []
+    if args.retrained:
+        for path in sorted(Path(args.retrained).glob("*.json")):
+            if (into / path.name).exists():
+                found.append((into / path.name, json.loads(path.read_text())))
+        return found
+    from tqdm.auto import tqdm
+
+    for path in tqdm(sorted(into.glob("*.json")), desc="re-analysing", unit="run", dynamic_ncols=True):
+        record, run_dir = json.loads(path.read_text()), Path(args.reanalyse) / path.stem
+        if record.get("analyses") and all((run_dir / f"model_{step}").is_dir() for step in record["analyses"]):
+            found.append((path, reanalysed(record, run_dir)))
+        else:
+            print(f"{path.name}: no checkpoints in {run_dir} for its analysed steps; left as it is", file=sys.stderr)
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    into, retrained_dir = Path(args.into), Path(args.retrained)
-    for flag, folder in (("--into", into), ("--retrained", retrained_dir)):
-        if not folder.is_dir():
+    into = Path(args.into)
+    for flag, folder in (("--into", into), ("--retrained", args.retrained), ("--reanalyse", args.reanalyse)):
+        if folder is not None and not Path(folder).is_dir():
             parser.error(f"{flag}: no folder {folder}")
     for flag, value in (("--rtol", args.rtol), ("--atol", args.atol)):
         if not value >= 0:
             parser.error(f"{flag} must be zero or positive, got {value}")
+    source = "--retrained" if args.retrained else "--reanalyse"
     updates = {}
-    for path in sorted(retrained_dir.glob("*.json")):
-        if not (into / path.name).exists():
-            continue
+    for path, other in candidates(args, into):
         try:
-            record = backfilled(json.loads((into / path.name).read_text()), json.loads(path.read_text()),
-                                args.rtol, args.atol)
+            record = backfilled(json.loads(path.read_text()), other, args.rtol, args.atol)
         except Disagreement as error:
-            parser.error(f"--retrained: {path.name} is not the same run as its record: {error}")
+            parser.error(f"{source}: {path.name} is not the same run as its record: {error}")
         if record is not None:
-            updates[into / path.name] = record
-    for path, record in updates.items():  # only once every retrain has been checked
+            updates[path] = record
+    for path, record in updates.items():  # only once every candidate has been checked
         write_json_atomic(path, record, indent=1)
         info = record["backfilled"][-1]
         print(f"{path}: added {', '.join(info['measures'])} ({info['values_compared']} values agree, at most "

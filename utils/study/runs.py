@@ -225,16 +225,8 @@ def run_job(spec: RunSpec, settings: AnalysisSettings, runs_dir: Path, records_d
 
     results = json.loads(results_file.read_text())
     steps = [s for s in spec.analyse_steps if (run_dir / f"model_{s}").is_dir()]
-    analyses_file = run_dir / "study_analyses.json"
     analysis_started = time.perf_counter()
-    if steps:
-        cmd = [sys.executable, "-m", "utils.study.analyse", "--run_dir", str(run_dir),
-               "--steps", *map(str, steps), "--settings", json.dumps(dataclasses.asdict(settings)),
-               "--out_json", str(analyses_file)]
-        code = _run_logged(cmd, log_dir / f"{spec.name}.analyse.log", env)
-        if code != 0:
-            raise JobFailed(f"analysing {spec.name} failed ({code})\n{_tail(log_dir / f'{spec.name}.analyse.log')}")
-    analyses = json.loads(analyses_file.read_text()) if steps else {}
+    analyses = analyse_run(run_dir, steps, settings, log_dir / f"{spec.name}.analyse.log", env) if steps else {}
 
     record = dict(version=RECORD_VERSION, arm=spec.arm, seed=spec.seed, flags=spec.flags(),
                   analysis_settings=dataclasses.asdict(settings), status=results["status"],
@@ -250,6 +242,25 @@ def run_job(spec: RunSpec, settings: AnalysisSettings, runs_dir: Path, records_d
         for checkpoint in run_dir.glob("model_*"):
             shutil.rmtree(checkpoint, ignore_errors=True)
     return dict(record, reused="training" if reuse_training else "no")
+
+
+def analyse_run(run_dir: Path, steps: list[int], settings: AnalysisSettings, log_path: Path, env: dict,
+                analyses_name: str = "study_analyses.json") -> dict:
+    """Every instrument on the run's checkpoints at `steps` (utils/study/analyse.py, a process of its own): the
+    record's `analyses`, also kept in the run folder's `analyses_name`."""
+    analyses_file = run_dir / analyses_name
+    cmd = [sys.executable, "-m", "utils.study.analyse", "--run_dir", str(run_dir), "--steps", *map(str, steps),
+           "--settings", json.dumps(dataclasses.asdict(settings)), "--out_json", str(analyses_file)]
+    code = _run_logged(cmd, log_path, env)
+    if code != 0:
+        raise JobFailed(f"analysing {run_dir.name} failed ({code})\n{_tail(log_path)}")
+    return json.loads(analyses_file.read_text())
+
+
+def job_env() -> dict:
+    """A job's environment: one thread, offline, no wandb."""
+    return dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+                TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
 
 
 def training_ended(results_file: Path) -> bool:
@@ -316,8 +327,7 @@ def run_jobs(specs: list[RunSpec], settings: AnalysisSettings, runs_dir: Path, r
     from tqdm.auto import tqdm
 
     jobs = jobs_the_disk_holds(specs, jobs, runs_dir)
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
+    env = job_env()
     records, skipped, failures = {}, [], []
     with ThreadPoolExecutor(max_workers=jobs) as pool, \
             tqdm(total=len(specs), desc="runs (train + analyse)", unit="run", dynamic_ncols=True) as bar:
