@@ -82,3 +82,14 @@ def test_the_import_check_sees_both_import_forms():
     assert imported_tools("def f():\n    import layer_remove", names) == {"layer_remove"}
     assert imported_tools("from utils.width_sweep import run_specs", names) == {"utils.width_sweep"}
     assert not imported_tools("from utils.study import runs", names)
+
+
+def test_pyproject_lists_every_package_of_the_repository():
+    """A package missing from pyproject.toml's list is left out of a built wheel (an editable install still finds it,
+    so nothing else would notice)."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(init.parent.relative_to(REPO).parts) for top in ("peft_pretraining", "utils")
+             for init in (REPO / top).rglob("__init__.py")}
+    assert found == listed
