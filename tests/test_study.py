@@ -1100,3 +1100,13 @@ def test_a_reanalysis_backfills_the_records_whose_checkpoints_remain(tmp_path, m
     assert first["analyses"]["400"]["block_influence"] == [0.2, 0.05] and first["final_eval_loss"] == 5.5
     assert "block_influence" not in json.loads((tmp_path / "into" / "L6-lns-seed2.json").read_text())["analyses"]["400"]
     assert "L6-lns-seed2.json: no checkpoints" in capsys.readouterr().err
+
+
+def test_a_measure_some_runs_lack_says_how_many_runs_it_averages():
+    """Part-way through a backfill, or where a seed diverged, the table's mean is over fewer runs than the row has."""
+    axis = sweep.Axis("L", "L", "layers L", "depth", (6, 12))
+    records = depth_records(lambda *key: 0.1, lambda norm, depth, seed: 4.5, depths=(6, 12))
+    records["L6-pre-seed2"]["analyses"]["4"]["block_influence"] = [0.3] * 8
+    rows = {tuple(row.split(" | ")[:2]): row for row in sweep.measures_table(axis, records).splitlines()}
+    assert "| 0.3000 (1 of 3) |" in rows[("| 6", "Pre-LN")]
+    assert "(1 of 3)" not in rows[("| 12", "Pre-LN")] and "| n/a |" in rows[("| 12", "Pre-LN")]

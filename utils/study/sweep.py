@@ -155,7 +155,8 @@ def plot_gap(gaps: list[verdicts.Verdict], depths, path: Path, xlabel: str = "la
 
 
 def measures_table(axis: Axis, records) -> str:
-    """Markdown: per swept value and norm type, the mean over seeds of every measure, and each run's best step."""
+    """Markdown: per swept value and norm type, the mean over seeds of every measure (with how many runs it averages
+    when some lack it: diverged, or recorded before the measure existed), and each run's best step."""
     shown = measures_in(records)
     rows = []
     for value in axis.values:
@@ -167,7 +168,8 @@ def measures_table(axis: Axis, records) -> str:
             for measure in shown:
                 vals = [v for v in by_seed(records, axis.arm(value, norm), measure).values()
                         if v is not None]
-                cells.append(f"{np.mean(vals):.4f}" if vals else "n/a")
+                partly = f" ({len(vals)} of {len(arm_records)})" if len(vals) < len(arm_records) else ""
+                cells.append(f"{np.mean(vals):.4f}{partly}" if vals else "n/a")
             best = [min(r["eval_curve"], key=lambda p: p[1])[0] for r in arm_records if r["eval_curve"]]
             cells.append(", ".join(map(str, best)))
             rows.append("| " + " | ".join(cells) + " |")
