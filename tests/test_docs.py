@@ -356,7 +356,7 @@ FLAG_NAME = re.compile(r"(?<![\w-])(--[A-Za-z][\w-]*)")
 def our_flags() -> frozenset[str]:
     """Every option string of every parser in the repository (each script with a build_parser())."""
     flags = set()
-    scripts = [*REPO.glob("*.py"), *(REPO / "utils").glob("*.py"), *(REPO / "peft_pretraining").glob("*.py")]
+    scripts = [*REPO.glob("*.py"), *(REPO / "utils").rglob("*.py"), *(REPO / "peft_pretraining").glob("*.py")]
     for script in sorted(scripts):
         if "def build_parser" not in script.read_text():
             continue
