@@ -1000,7 +1000,7 @@ def test_a_backfill_adds_what_the_record_lacks_and_keeps_what_it_has(tmp_path, c
 
 @pytest.mark.parametrize("change, named", [
     (lambda r: r["analyses"]["400"].update(variance=[1.0, 2.6]), "analyses.400.variance[1]"),
-    (lambda r: r["analyses"]["400"].update(removal_nats=[1e-5 + 3e-6]), "analyses.400.removal_nats[0]"),  # > atol
+    (lambda r: r["analyses"]["400"].update(removal_nats=[1e-5 + 3e-5]), "analyses.400.removal_nats[0]"),  # > atol
     (lambda r: r["analyses"]["400"].update(variance={"a": 1.0, "b": 2.5}), "analyses.400.variance"),
     (lambda r: r["analyses"]["400"].update(angular_next=[0.25, 0.1]), "analyses.400.angular_next[1]"),
     (lambda r: r["analyses"]["400"].pop("variance"), "analyses.400.variance"),

@@ -118,8 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
                                             "(each record's run in <folder>/<arm>-seed<seed>)")
     parser.add_argument("--rtol", type=float, default=1e-4,
                         help="relative part of the difference allowed between a number of the record and the retrain's")
-    parser.add_argument("--atol", type=float, default=1e-6,
-                        help="absolute part of it: |a - b| <= rtol * max(|a|, |b|) + atol")
+    parser.add_argument("--atol", type=float, default=1e-5,
+                        help="absolute part of it: |a - b| <= rtol * max(|a|, |b|) + atol. The default is a tenth of "
+                             "the last digit the reports print of a removal cost, which is a small difference of two "
+                             "large log-likelihoods and so carries their rounding")
     return parser
 
 
