@@ -526,8 +526,7 @@ def main(argv=None) -> int:
     arms = study_arms(args)
     specs = run_specs(args, arms)
     if args.plan:
-        print(json.dumps(report.plan(args, specs), indent=1))
-        return 0
+        return report.print_plan(args, specs)
     records, skipped = runs.collect_records(args, specs)
     if args.arms:
         arms, records, skipped = with_saved_arms(args, arms, records, skipped)

@@ -378,6 +378,7 @@ def regime(axis: Axis, records, heldout: str) -> tuple[str, dict]:
                   v.status if v.effect is None else f"{v.effect:+.3f} [{v.low:+.3f}, {v.high:+.3f}]: {v.status}"]
         rows.append("| " + " | ".join(cells) + " |")
     helps = {norm: v.status for norm, v in slopes.items()}
+    unjudged = all(status == verdicts.NOT_MEASURABLE for status in helps.values())
     if all(status == verdicts.REPRODUCED for status in helps.values()):
         words = ("**Depth pays here**: adding layers lowers both arms' eval loss, the regime of the paper's models.")
     elif all(status == verdicts.OPPOSITE for status in helps.values()):
@@ -385,7 +386,7 @@ def regime(axis: Axis, records, heldout: str) -> tuple[str, dict]:
                  "regime of the paper's models (where a deeper model reaches a lower loss). A deep layer that the "
                  "loss does not need may be near the identity for reasons unrelated to the curse of depth, so every "
                  "conclusion of this report holds for this regime only.")
-    elif all(status == verdicts.NOT_MEASURABLE for status in helps.values()):
+    elif unjudged:
         words = (f"**Not judged over seeds**: a slope of the eval loss against ln {axis.symbol} needs two seeds at "
                  "two values or more.")
     else:
@@ -395,8 +396,7 @@ def regime(axis: Axis, records, heldout: str) -> tuple[str, dict]:
     summary = dict(slopes={norm: v.as_dict() for norm, v in slopes.items()}, lowest_at=lowest,
                    depth_pays={norm: status == verdicts.REPRODUCED for norm, status in helps.items()})
     text = words + "\n\n" + "\n".join([header, *rows])
-    documents = document_verdicts(axis, records) if all(
-        status == verdicts.NOT_MEASURABLE for status in helps.values()) else []
+    documents = document_verdicts(axis, records) if unjudged else []
     if documents:
         text += (f"\n\nWith one seed per run, the runs are compared on the same held-out documents ({heldout}, whole "
                  "documents that every run's removal analysis reads at its last checkpoint):\n\n"
@@ -672,9 +672,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     started = time.time()
     if args.plan:
-        print(json.dumps(report.plan(args, run_specs(args) + ([probe_spec(args)] if args.overfit_probe else [])),
-                         indent=1))
-        return 0
+        return report.print_plan(args, run_specs(args) + ([probe_spec(args)] if args.overfit_probe else []))
     records, skipped = runs.collect_records(args, run_specs(args))
     probe = collect_probe(args)
     written = write_report(args, records, skipped, started, argv, probe)

@@ -373,8 +373,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args, started = parse_args(argv), time.time()
     if args.plan:
-        print(json.dumps(report.plan(args, run_specs(args)), indent=1))
-        return 0
+        return report.print_plan(args, run_specs(args))
     print(f"report: {write_report(args, *runs.collect_records(args, run_specs(args)), started, argv)}")
     return 0
 

@@ -40,7 +40,8 @@ COMPARED = ("final_eval_loss", "eval_curve", "train_curve", "norm_gain_curve", "
 
 
 class Disagreement(ValueError):
-    pass
+    def __init__(self, where: str, committed, other, detail: str = ""):
+        super().__init__(f"{where}: the record's {committed!r}, the other's {other!r}{detail}")
 
 
 @dataclasses.dataclass
@@ -64,7 +65,7 @@ def compare(committed, retrained, where: str, rtol: float, atol: float) -> Agree
         elif isinstance(committed, list) and isinstance(retrained, list) and len(committed) == len(retrained):
             pairs = [(a, b, f"{where}[{index}]") for index, (a, b) in enumerate(zip(committed, retrained))]
         else:
-            raise Disagreement(f"{where}: {committed!r} against the retrain's {retrained!r}")
+            raise Disagreement(where, committed, retrained)
         total = Agreement()
         for a, b, inner in pairs:
             total = total.add(compare(a, b, inner, rtol, atol))
@@ -72,16 +73,15 @@ def compare(committed, retrained, where: str, rtol: float, atol: float) -> Agree
     if isinstance(committed, float) and isinstance(retrained, (int, float)) and not isinstance(retrained, bool):
         if not (math.isfinite(committed) and math.isfinite(retrained)):  # NaN or inf agrees only with itself
             if not (committed == retrained or math.isnan(committed) and math.isnan(retrained)):
-                raise Disagreement(f"{where}: {committed!r} against the retrain's {retrained!r}")
+                raise Disagreement(where, committed, retrained)
             return Agreement(1)
         absolute = abs(committed - retrained)
         if absolute > rtol * max(abs(committed), abs(retrained)) + atol:
-            raise Disagreement(f"{where}: {committed!r} against the retrain's {retrained!r} (over --rtol {rtol:g} "
-                               f"with --atol {atol:g})")
+            raise Disagreement(where, committed, retrained, f" (over --rtol {rtol:g} with --atol {atol:g})")
         relative = 0.0 if absolute == 0 else absolute / max(abs(committed), abs(retrained))
         return Agreement(1, relative, absolute)
     if committed != retrained:
-        raise Disagreement(f"{where}: {committed!r} against the retrain's {retrained!r}")
+        raise Disagreement(where, committed, retrained)
     return Agreement()
 
 
@@ -89,10 +89,9 @@ def backfilled(committed: dict, retrained: dict, rtol: float, atol: float) -> di
     """The committed record with the analyses' measures it lacks taken from the retrain; None when it lacks none."""
     for key in IDENTITY:
         if committed.get(key) != retrained.get(key):
-            raise Disagreement(f"{key}: {committed.get(key)!r} against the retrain's {retrained.get(key)!r}")
+            raise Disagreement(key, committed.get(key), retrained.get(key))
     if runs.recorded_settings(committed) != runs.recorded_settings(retrained):
-        raise Disagreement(f"analysis_settings: {committed.get('analysis_settings')} against the retrain's "
-                           f"{retrained.get('analysis_settings')}")
+        raise Disagreement("analysis_settings", committed.get("analysis_settings"), retrained.get("analysis_settings"))
     agreement = compare({key: committed[key] for key in COMPARED if key in committed}, retrained, "", rtol, atol)
     record = json.loads(json.dumps(committed))
     added: set[str] = set()

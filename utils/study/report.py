@@ -92,6 +92,12 @@ def plan(args, specs: list[runs.RunSpec]) -> dict:
                 recorded_run_seconds=sorted(round(s) for s in seconds if s is not None))
 
 
+def print_plan(args, specs: list[runs.RunSpec]) -> int:
+    """A study's --plan: the plan as JSON on stdout; the exit code."""
+    print(json.dumps(plan(args, specs), indent=1))
+    return 0
+
+
 def run_seconds(record: dict) -> float | None:
     """Training plus analyses, as measured; None for a record made before analyses were timed."""
     if record.get("analysis_seconds") is None:
