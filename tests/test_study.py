@@ -3,6 +3,7 @@ import dataclasses
 import json
 import math
 import os
+import pathlib
 import shutil
 import threading
 import time
@@ -1110,3 +1111,59 @@ def test_a_measure_some_runs_lack_says_how_many_runs_it_averages():
     rows = {tuple(row.split(" | ")[:2]): row for row in sweep.measures_table(axis, records).splitlines()}
     assert "| 0.3000 (1 of 3) |" in rows[("| 6", "Pre-LN")]
     assert "(1 of 3)" not in rows[("| 12", "Pre-LN")] and "| n/a |" in rows[("| 12", "Pre-LN")]
+
+
+def _replicate_of(original, folder):
+    """A copy of a committed report folder: the same study trained again, its runs and summary as written."""
+    shutil.copytree(original, folder, ignore=shutil.ignore_patterns("*.png", "*.md"))
+    return json.loads((folder / "summary.json").read_text())
+
+
+def test_a_replicate_says_which_verdicts_keep_their_status_and_how_far_each_run_moved(tmp_path, capsys):
+    from utils.study import replicate
+
+    original = pathlib.Path("docs/depth_sweep")
+    summary = _replicate_of(original, tmp_path / "again")
+    moved = summary["comparative"][1]["gap"]  # the angular gap's slope: reproduced in the committed report
+    assert moved["status"] == verdicts.REPRODUCED
+    moved.update(low=-0.001, status=verdicts.INSIDE_NOISE)
+    summary["settings"].update(out="elsewhere", runs_dir="elsewhere/runs")  # where a report goes may differ
+    summary["comparative"].append(dict(measure="bi_deep", gap=dict(moved, claim="the BI gap's slope")))
+    (tmp_path / "again" / "summary.json").write_text(json.dumps(summary))
+    record_path = tmp_path / "again" / "runs" / "L48-pre-seed1.json"
+    record = json.loads(record_path.read_text())
+    record["final_eval_loss"] += 0.015
+    record_path.write_text(json.dumps(record))
+
+    assert replicate.main([str(original), str(tmp_path / "again")]) == 0
+    result = json.loads((tmp_path / "again" / "replication.json").read_text())
+    changed = [row for row in result["rows"] if not row["same_status"]]
+    assert [row["where"] for row in changed] == ["comparative / angular_deep / gap"]
+    assert len(result["rows"]) == len(replicate.verdicts_in(json.loads((original / "summary.json").read_text())))
+    assert all(row["intervals_overlap"] is not False for row in result["rows"])
+    assert [item["verdict"]["claim"] for item in result["only_in_replicate"]] == ["the BI gap's slope"]
+    by_run = {row["run"]: row for row in result["runs"]}
+    assert by_run["L48-pre-seed1"]["eval_loss"][1] - by_run["L48-pre-seed1"]["eval_loss"][0] == pytest.approx(0.015)
+    assert all(row["largest_relative_difference"] == 0 for name, row in by_run.items() if name != "L48-pre-seed1")
+    text = (tmp_path / "again" / "replication.md").read_text()
+    n = len(result["rows"])
+    assert f"**{n - 1} of {n} verdicts keep their status**" in text
+    assert "comparative / angular_deep / gap): reproduced → inside noise" in text
+    assert f"{n - 1} of {n} verdicts keep their status" in capsys.readouterr().out
+
+
+def test_a_replicate_of_another_study_is_refused_in_one_line(tmp_path, capsys):
+    from utils.study import replicate
+
+    summary = _replicate_of(pathlib.Path("docs/depth_sweep"), tmp_path / "other")
+    summary["settings"]["steps"] = 800
+    (tmp_path / "other" / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(SystemExit) as stopped:
+        replicate.main(["docs/depth_sweep", str(tmp_path / "other")])
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "is not the same study" in error[0] and "setting steps: 400 against 800" in error[0]
+    assert not (tmp_path / "other" / "replication.md").exists()
+    with pytest.raises(SystemExit):
+        replicate.main(["docs/depth_sweep", str(tmp_path / "absent")])
+    assert "replicate: no report in" in capsys.readouterr().err
