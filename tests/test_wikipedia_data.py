@@ -152,6 +152,10 @@ def test_depth_sweep_wikipedia_runs_and_analyses_read_the_corpus(corpus, tmp_pat
     specs = depth_sweep.run_specs(args)
     assert {spec.arm for spec in specs} == {f"L{d}-{n}" for d in (6, 12, 24, 48) for n in ("pre", "lns")}
     assert {spec.seed for spec in specs} == {1, 2, 3}
+    # every seed of L = 12 and 24 (does depth pay?) before any run at L = 6 or 48, then seed by seed
+    order = [(spec.arm.split("-")[0], spec.seed) for spec in specs if spec.arm.endswith("-pre")]
+    assert order == [(f"L{d}", seed) for seed in (1, 2, 3) for d in (12, 24)] + \
+        [(f"L{d}", seed) for seed in (1, 2, 3) for d in (6, 48)]
     for spec in specs:
         flags = spec.flags()
         assert flags[flags.index("--dataset") + 1] == "wikipedia" == flags[flags.index("--tokenizer") + 1]

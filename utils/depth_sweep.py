@@ -133,13 +133,16 @@ def run_specs(args) -> list[RunSpec]:
     dynamics = runs.evenly_spaced_steps(s["steps"], s["dynamics_points"])
     rival_depths = [depth for depth in s.get("rival_depths", ()) if depth in s["depths"]]
     specs = []
+    first = s.get("first_depths", ())
     for norms, depths in ((NORMS, s["depths"]), (s.get("rival_norms", ()), rival_depths)):  # Pre-LN and LNS first
-        for seed in s["seeds"]:
-            for depth in sorted(depths, key=lambda d: d not in s.get("first_depths", ())):  # stable: the rest after
-                base = train_flags(args, depth_config(args, depth), s["steps"], s["warmup"], s.get("eval_every", dynamics[0]))
-                for norm in norms:
-                    specs.append(RunSpec(f"L{depth}-{norm}", seed, (*base, "--norm_type", norm), dynamics,
-                                         save_every=s.get("save_every")))
+        # Every seed of the first depths before any other depth (a sweep that may end early has its seeds where
+        # they answer its question), then seed by seed; the order is stable within each.
+        order = sorted(((seed, depth) for seed in s["seeds"] for depth in depths), key=lambda sd: sd[1] not in first)
+        for seed, depth in order:
+            base = train_flags(args, depth_config(args, depth), s["steps"], s["warmup"], s.get("eval_every", dynamics[0]))
+            for norm in norms:
+                specs.append(RunSpec(f"L{depth}-{norm}", seed, (*base, "--norm_type", norm), dynamics,
+                                     save_every=s.get("save_every")))
     return specs
 
 
