@@ -49,6 +49,8 @@ def verdicts_in(node, path: tuple[str, ...] = ()) -> dict[tuple[str, ...], dict]
 def interval_text(verdict: dict) -> str:
     if verdict.get("effect") is None:
         return f"{verdict['status']} ({verdict.get('reason') or 'not judged'})"
+    if verdict.get("low") is None:  # a point estimate
+        return f"{verdict['effect']:+.4g}, no interval: {verdict['status']}"
     return (f"{verdict['effect']:+.4g} [{verdict['low']:+.4g}, {verdict['high']:+.4g}], "
             f"{verdict['n_agree']}/{verdict['n_pairs']} {verdict['unit']}: {verdict['status']}")
 
