@@ -1164,6 +1164,15 @@ def test_a_replicate_of_another_study_is_refused_in_one_line(tmp_path, capsys):
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and "is not the same study" in error[0] and "setting steps: 400 against 800" in error[0]
     assert not (tmp_path / "other" / "replication.md").exists()
+    summary["settings"]["steps"] = 400  # the same settings, but one run trained in another precision
+    (tmp_path / "other" / "summary.json").write_text(json.dumps(summary))
+    record_path = tmp_path / "other" / "runs" / "L6-pre-seed2.json"
+    record = json.loads(record_path.read_text())
+    record["flags"][record["flags"].index("float32")] = "mixed"
+    record_path.write_text(json.dumps(record))
+    with pytest.raises(SystemExit):
+        replicate.main(["docs/depth_sweep", str(tmp_path / "other")])
+    assert "run L6-pre-seed2's flags: float32 --norm_type against mixed --norm_type" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         replicate.main(["docs/depth_sweep", str(tmp_path / "absent")])
     assert "replicate: no report in" in capsys.readouterr().err

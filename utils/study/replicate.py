@@ -9,7 +9,9 @@ a replicate says how much of a report is the study and how much is its one set o
 Every verdict in the two summary.json files is matched by where it sits (its section, its measure, its claim). A
 verdict *keeps its status* when it is reproduced, inside noise or opposite in both; the table also says whether the
 two 95% intervals overlap. Beside the verdicts, each run's eval loss in both, and the largest relative difference
-over its scalar measures. Verdicts that only the replicate has (a measure its records carry and the original's do
+over its scalar measures. The two must be the same study: the same budget and settings, and every run both hold
+trained with the same flags (a --dtype or --compile makes another study) and analysed with the same settings.
+Verdicts that only the replicate has (a measure its records carry and the original's do
 not) are listed apart. Writes replication.md and replication.json in the replicate's folder, or in --out.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 from peft_pretraining.cli import OneLineErrorParser
 from utils.study.host import records_machines
 from utils.study.measures import MEASURES, finite_or_none, measures_at
+from utils.study.runs import recorded_settings
 
 # Where a report's output goes, not what it measured: free to differ between the two.
 WHERE_SETTINGS = ("out", "runs_dir")
@@ -77,6 +80,22 @@ def settings_difference(original: dict, replicate: dict) -> str | None:
     for key in sorted(set(a) | set(b)):
         if key not in WHERE_SETTINGS and a.get(key) != b.get(key):
             return f"setting {key}: {a.get(key)!r} against {b.get(key)!r}"
+    return None
+
+
+def runs_difference(original: dict[str, dict], replicate: dict[str, dict]) -> str | None:
+    """The first run whose training flags or analysis settings differ between the two (a dtype or --compile is a
+    different study), or None; two reports without a run in common are different studies too."""
+    common = sorted(set(original) & set(replicate))
+    if not common:
+        return "no run in common"
+    for name in common:
+        a, b = original[name].get("flags", []), replicate[name].get("flags", [])
+        if a != b:
+            at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            return f"run {name}'s flags: {' '.join(a[at:at + 2]) or 'none'} against {' '.join(b[at:at + 2]) or 'none'}"
+        if recorded_settings(original[name]) != recorded_settings(replicate[name]):
+            return f"run {name}'s analysis settings"
     return None
 
 
@@ -170,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     original, original_records = read_report(Path(args.original), "original", parser)
     replicate, replicate_records = read_report(Path(args.replicate), "replicate", parser)
-    difference = settings_difference(original, replicate)
+    difference = settings_difference(original, replicate) or runs_difference(original_records, replicate_records)
     if difference:
         parser.error(f"replicate: {args.replicate} is not the same study as {args.original} ({difference})")
     comparison = compare_reports(original, replicate)
