@@ -1119,37 +1119,70 @@ def _replicate_of(original, folder):
     return json.loads((folder / "summary.json").read_text())
 
 
+def _edit_record(folder, name, edit):
+    path = folder / "runs" / f"{name}.json"
+    record = json.loads(path.read_text())
+    edit(record)
+    path.write_text(json.dumps(record))
+
+
 def test_a_replicate_says_which_verdicts_keep_their_status_and_how_far_each_run_moved(tmp_path, capsys):
     from utils.study import replicate
 
-    original = pathlib.Path("docs/depth_sweep")
+    original = pathlib.Path("docs/depth_sweep_mixed_compile")  # its Pre-LN records alone have BI
     summary = _replicate_of(original, tmp_path / "again")
     moved = summary["comparative"][1]["gap"]  # the angular gap's slope: reproduced in the committed report
     assert moved["status"] == verdicts.REPRODUCED
     moved.update(low=-0.001, status=verdicts.INSIDE_NOISE)
-    summary["settings"].update(out="elsewhere", runs_dir="elsewhere/runs")  # where a report goes may differ
-    summary["comparative"].append(dict(measure="bi_deep", gap=dict(moved, claim="the BI gap's slope")))
+    bi = next(item for item in summary["comparative"] if item["measure"] == "bi_deep")
+    assert bi["gap"]["status"] == verdicts.NOT_MEASURABLE  # the committed LNS records predate block influence
+    bi["gap"] = dict(moved, claim=bi["gap"]["claim"])  # the replicate's records have it
+    summary["predictions"].append(dict(moved, claim="a claim the original does not make"))
+    # its runs folder elsewhere: the settings and each sweep config's path say so, and do not make another study
+    summary["settings"].update(out="elsewhere", runs_dir="elsewhere/runs")
     (tmp_path / "again" / "summary.json").write_text(json.dumps(summary))
-    record_path = tmp_path / "again" / "runs" / "L48-pre-seed1.json"
-    record = json.loads(record_path.read_text())
-    record["final_eval_loss"] += 0.015
-    record_path.write_text(json.dumps(record))
+    for name in summary["runs"]:
+        def elsewhere(record):
+            at = record["flags"].index("--model_config") + 1
+            record["flags"][at] = record["flags"][at].replace("runs/depth_sweep_mixed_compile/", "elsewhere/runs/")
+            assert record["flags"][at].startswith("elsewhere/runs/configs/")
+        _edit_record(tmp_path / "again", name, elsewhere)
+    _edit_record(tmp_path / "again", "L48-pre-seed1", lambda record: record.update(
+        final_eval_loss=record["final_eval_loss"] + 0.015))
+    _edit_record(tmp_path / "again", "L6-lns-seed3", lambda record: record.update(status="diverged"))
 
     assert replicate.main([str(original), str(tmp_path / "again")]) == 0
     result = json.loads((tmp_path / "again" / "replication.json").read_text())
-    changed = [row for row in result["rows"] if not row["same_status"]]
-    assert [row["where"] for row in changed] == ["comparative / angular_deep / gap"]
-    assert len(result["rows"]) == len(replicate.verdicts_in(json.loads((original / "summary.json").read_text())))
-    assert all(row["intervals_overlap"] is not False for row in result["rows"])
-    assert [item["verdict"]["claim"] for item in result["only_in_replicate"]] == ["the BI gap's slope"]
+    committed = replicate.verdicts_in(json.loads((original / "summary.json").read_text()))
+    measured = [v for v in committed.values() if v["status"] != verdicts.NOT_MEASURABLE]
+    assert len(result["rows"]) == len(measured)  # the copy's runs are the original's: every verdict is compared
+    assert [row["where"] for row in result["rows"] if not row["same_status"]] == ["comparative / angular_deep / gap"]
+    assert all(row["intervals_overlap"] for row in result["rows"])
+    assert [(item["where"], item["measured_in"]) for item in result["measured_in_one"]] == \
+        [("comparative / bi_deep / gap", "replicate")]
+    assert [item["verdict"]["claim"] for item in result["only_in_replicate"]] == ["a claim the original does not make"]
     by_run = {row["run"]: row for row in result["runs"]}
+    assert set(by_run) == set(summary["runs"])  # the summary's runs: the overfit probe's record is not one of them
     assert by_run["L48-pre-seed1"]["eval_loss"][1] - by_run["L48-pre-seed1"]["eval_loss"][0] == pytest.approx(0.015)
-    assert all(row["largest_relative_difference"] == 0 for name, row in by_run.items() if name != "L48-pre-seed1")
+    assert by_run["L6-lns-seed3"]["status"] == ["finished", "diverged"] and "compared" not in by_run["L6-lns-seed3"]
+    unchanged = [row for name, row in by_run.items() if name not in ("L48-pre-seed1", "L6-lns-seed3")]
+    assert all(row["compared"] >= 5 and row["relative"] == 0 == row["absolute"] for row in unchanged)
     text = (tmp_path / "again" / "replication.md").read_text()
-    n = len(result["rows"])
-    assert f"**{n - 1} of {n} verdicts keep their status**" in text
+    n = len(measured)
+    assert f"**{n - 1} of the {n} verdicts that both measured keep their status**" in text
     assert "comparative / angular_deep / gap): reproduced → inside noise" in text
-    assert f"{n - 1} of {n} verdicts keep their status" in capsys.readouterr().out
+    assert "| L6-lns-seed3 | finished → diverged |" in text
+    assert f"{n - 1} of the {n} verdicts both measured keep their status" in capsys.readouterr().out
+
+
+def test_a_replicate_compares_a_budgets_own_summary(tmp_path):
+    from utils.study import replicate
+
+    assert replicate.main(["docs/depth_sweep_mixed_compile", "docs/depth_sweep_mixed_compile", "--suffix", "_rivals",
+                           "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "replication_rivals.json").read_text())
+    assert result["rows"] and all(row["same_status"] for row in result["rows"])
+    assert any(row["run"].startswith("L48-bhyt") for row in result["runs"])
 
 
 def test_a_replicate_of_another_study_is_refused_in_one_line(tmp_path, capsys):
@@ -1172,7 +1205,22 @@ def test_a_replicate_of_another_study_is_refused_in_one_line(tmp_path, capsys):
     record_path.write_text(json.dumps(record))
     with pytest.raises(SystemExit):
         replicate.main(["docs/depth_sweep", str(tmp_path / "other")])
-    assert "run L6-pre-seed2's flags: float32 --norm_type against mixed --norm_type" in capsys.readouterr().err
+    assert "run L6-pre-seed2's flags: --dtype float32 against --dtype mixed" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         replicate.main(["docs/depth_sweep", str(tmp_path / "absent")])
-    assert "replicate: no report in" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "replicate: no report in" in error and "summary.json is missing" in error
+
+
+def test_a_seed_without_a_slope_is_a_sweep_part_way_through_not_a_diverged_run():
+    verdict = sweep.slope_verdict("falls", -1, {1: None, 2: -0.1, 3: -0.2})
+    assert verdict.n_pairs == 2 and "diverged" not in verdict.reason  # judged on the two seeds that have a slope
+    assert verdict.reason.endswith("no slope for seed 1: fewer than two of the swept values measured")
+    assert sweep.slope_verdict("falls", -1, {1: -0.3, 2: -0.1, 3: -0.2}).reason == ""
+
+
+def test_the_default_depth_sweep_trains_seed_by_seed_in_its_depths_order(tmp_path):
+    args = depth_sweep.parse_args(["--runs_dir", str(tmp_path / "runs")])
+    order = [(spec.seed, spec.arm) for spec in depth_sweep.run_specs(args)]
+    assert order == [(seed, f"L{depth}-{norm}") for seed in args.settings["seeds"]
+                     for depth in args.settings["depths"] for norm in ("pre", "lns")]

@@ -84,8 +84,15 @@ def slope_by_seed(table: dict[int, dict[int, float | None]], log_values: bool) -
 
 
 def slope_verdict(claim: str, direction: int, slopes: dict[int, float | None]) -> verdicts.Verdict:
-    """The per-seed slopes against zero: a one-sample t interval over seeds (judge_seeds against a zero arm)."""
-    return verdicts.judge_seeds(claim, direction, {seed: 0.0 for seed in slopes}, slopes, ("zero", "slope"))
+    """The per-seed slopes against zero: a one-sample t interval over seeds (judge_seeds against a zero arm). A seed
+    without a slope has fewer than two swept values measured (a sweep part-way through), not a diverged run."""
+    fitted = {seed: slope for seed, slope in slopes.items() if slope is not None}
+    verdict = verdicts.judge_seeds(claim, direction, {seed: 0.0 for seed in fitted}, fitted, ("zero", "slope"))
+    unfitted = [str(seed) for seed in slopes if seed not in fitted]
+    if unfitted:
+        note = f"no slope for seed {', '.join(unfitted)}: fewer than two of the swept values measured"
+        verdict.reason = f"{verdict.reason}; {note}" if verdict.reason else note
+    return verdict
 
 
 def paired_differences(axis: Axis, records, measure: str, log_ratio: bool = False) -> dict[int, dict[int, float]]:
