@@ -836,7 +836,7 @@ def test_comparative_depth_verdicts_tell_a_narrowing_gap_from_a_growing_ratio():
     jacobian = next(c for c in depth_sweep.comparative_verdicts(axis, proportional) if c.measure == "jacobian_deep")
     assert jacobian.gap.status == verdicts.REPRODUCED and jacobian.gap.effect > 0
     assert jacobian.ratio.status == verdicts.INSIDE_NOISE and abs(jacobian.ratio.effect) < 0.05
-    assert "no relative change" in jacobian.reading()
+    assert "the relative change is open" in jacobian.reading()
 
     diverging = depth_records(lambda norm, depth, seed: (0.3 if norm == "lns" else 3.0 / depth) * wobble[seed], loss)
     jacobian = next(c for c in depth_sweep.comparative_verdicts(axis, diverging) if c.measure == "jacobian_deep")
@@ -848,6 +848,13 @@ def test_comparative_depth_verdicts_tell_a_narrowing_gap_from_a_growing_ratio():
             record["analyses"]["4"]["block_influence"] = [0.3] * 8
     influence = next(c for c in depth_sweep.comparative_verdicts(axis, diverging) if c.measure == "bi_deep")
     assert influence.gap.status == verdicts.NOT_MEASURABLE and "LNS's records" in influence.gap.reason
+
+    # a value of 0 or below has no log: the ratio's slope is fitted without that pair, and the report says so
+    with_a_zero = depth_records(lambda norm, depth, seed: 0.0 if (norm, depth, seed) == ("pre", 6, 1) else
+                                shrinking_in_proportion(norm, depth, seed), loss)
+    jacobian = next(c for c in depth_sweep.comparative_verdicts(axis, with_a_zero) if c.measure == "jacobian_deep")
+    assert "leaves out the pairs where a value is 0 or below (L = 6: seed 1)" in jacobian.ratio.reason
+    assert "ratio: " in depth_sweep.comparative_section([jacobian]) and not jacobian.gap.reason
     assert "| not measurable |" in depth_sweep.comparative_section([influence])
 
     words, summary = depth_sweep.regime(axis, diverging, "the held-out novel")
@@ -859,17 +866,21 @@ def test_comparative_depth_verdicts_tell_a_narrowing_gap_from_a_growing_ratio():
 
 
 @pytest.mark.e2e
-def test_a_study_runs_again_into_a_new_report_folder_over_the_same_runs(tmp_path):
+@pytest.mark.parametrize("script", ["compare_norms", "depth_sweep", "width_sweep"])
+def test_a_study_runs_again_into_a_new_report_folder_over_the_same_runs(script, tmp_path):
     """Issue 46: a report folder moved or deleted, then the study run again over the same runs folder. The second
     invocation reuses the training and redoes the analysis cleanly (it was refused: layer_remove.py found its own
-    earlier sweep), and the analysis gives the same numbers. The depth sweep's first quick run, as a user runs it;
-    compare_norms and width_sweep go through the same runs.run_job (the next test covers all three)."""
+    earlier sweep), and the analysis gives the same numbers. Each study script's first quick run, as a user runs it."""
+    from utils import width_sweep
+
+    study = {"compare_norms": compare_norms, "depth_sweep": depth_sweep, "width_sweep": width_sweep}[script]
     runs_dir = tmp_path / "runs"
 
     def first_spec_into(report):
-        args = depth_sweep.parse_args(["--quick", "--dtype", "float32", "--no-compile", "--out", str(report),
-                                       "--runs_dir", str(runs_dir)])
-        records, skipped = runs.collect_records(args, depth_sweep.run_specs(args)[:1])
+        args = study.parse_args(["--quick", "--dtype", "float32", "--no-compile", "--out", str(report),
+                                 "--runs_dir", str(runs_dir)])
+        specs = study.run_specs(args, study.study_arms(args)) if study is compare_norms else study.run_specs(args)
+        records, skipped = runs.collect_records(args, specs[:1])
         assert not skipped
         return next(iter(records.values()))
 
@@ -881,7 +892,7 @@ def test_a_study_runs_again_into_a_new_report_folder_over_the_same_runs(tmp_path
 
 @pytest.mark.parametrize("script", ["compare_norms", "depth_sweep", "width_sweep"])
 def test_every_study_redoes_an_analysis_folder_left_by_an_earlier_invocation(script, tmp_path, monkeypatch):
-    """The mechanism of the test above for every study script, in process: each checkpoint's analysis folder is
+    """The mechanism of the test above, in process and in the fast tier: each checkpoint's analysis folder is
     scratch. A fake analysis refuses a folder that already holds a removal sweep, as layer_remove.py does."""
     from utils import width_sweep
 
@@ -1138,6 +1149,8 @@ def test_a_replicate_says_which_verdicts_keep_their_status_and_how_far_each_run_
     assert bi["gap"]["status"] == verdicts.NOT_MEASURABLE  # the committed LNS records predate block influence
     bi["gap"] = dict(moved, claim=bi["gap"]["claim"])  # the replicate's records have it
     summary["predictions"].append(dict(moved, claim="a claim the original does not make"))
+    apart = summary["comparative"][0]["ratio"]  # judged over one seed's documents: not compared with seeds
+    apart.update(unit="documents", effect=apart["effect"] * 3, status=verdicts.INSIDE_NOISE)
     # its runs folder elsewhere: the settings and each sweep config's path say so, and do not make another study
     summary["settings"].update(out="elsewhere", runs_dir="elsewhere/runs")
     (tmp_path / "again" / "summary.json").write_text(json.dumps(summary))
@@ -1155,7 +1168,10 @@ def test_a_replicate_says_which_verdicts_keep_their_status_and_how_far_each_run_
     result = json.loads((tmp_path / "again" / "replication.json").read_text())
     committed = replicate.verdicts_in(json.loads((original / "summary.json").read_text()))
     measured = [v for v in committed.values() if v["status"] != verdicts.NOT_MEASURABLE]
-    assert len(result["rows"]) == len(measured)  # the copy's runs are the original's: every verdict is compared
+    # the copy's runs are the original's: every verdict is compared, but the one judged in other units
+    assert len(result["rows"]) == len(measured) - 1
+    assert [item["where"] for item in result["judged_apart"]] == [
+        f"comparative / {summary['comparative'][0]['measure']} / ratio"]
     assert [row["where"] for row in result["rows"] if not row["same_status"]] == ["comparative / angular_deep / gap"]
     assert all(row["intervals_overlap"] for row in result["rows"])
     assert [(item["where"], item["measured_in"]) for item in result["measured_in_one"]] == \
@@ -1168,8 +1184,9 @@ def test_a_replicate_says_which_verdicts_keep_their_status_and_how_far_each_run_
     unchanged = [row for name, row in by_run.items() if name not in ("L48-pre-seed1", "L6-lns-seed3")]
     assert all(row["compared"] >= 5 and row["relative"] == 0 == row["absolute"] for row in unchanged)
     text = (tmp_path / "again" / "replication.md").read_text()
-    n = len(measured)
+    n = len(measured) - 1
     assert f"**{n - 1} of the {n} verdicts that both measured keep their status**" in text
+    assert "## Verdicts judged in different units" in text
     assert "comparative / angular_deep / gap): reproduced → inside noise" in text
     assert "| L6-lns-seed3 | finished → diverged |" in text
     assert f"{n - 1} of the {n} verdicts both measured keep their status" in capsys.readouterr().out

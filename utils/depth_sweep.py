@@ -41,6 +41,7 @@ from utils.study.sweep import (
     Axis,
     measure_by_value,
     measures_table,
+    nonpositive_pairs,
     paired_differences,
     plot_against,
     plot_gap,
@@ -255,27 +256,27 @@ class Comparison:
     ratio: verdicts.Verdict
 
     def reading(self) -> str:
-        """Which reading the two slopes support, in words."""
+        """Which reading the two slopes support, in words. "The paper's way" is the measure's expected direction; it
+        says nothing of which arm is ahead (LNS may trail Pre-LN at every depth while the gap narrows)."""
         gap, ratio = self.gap.status, self.ratio.status
         if verdicts.NOT_MEASURABLE in (gap, ratio):
             return "not measurable"
         if (gap, ratio) == (verdicts.REPRODUCED, verdicts.REPRODUCED):
-            return "LNS's lead over Pre-LN grows with depth in absolute and in relative terms, as the paper says"
+            return "the gap and the ratio both move the paper's way with depth"
         if gap == verdicts.REPRODUCED and ratio == verdicts.OPPOSITE:
-            return ("the gap moves the paper's way but the ratio moves against it: both arms' values shrink and "
-                    "LNS's shrinks faster in relative terms, so its deep layers do not become relatively more "
-                    "active")
+            return ("the gap moves the paper's way but the ratio moves against it: the paper's reading holds in "
+                    "absolute terms only, and in relative terms LNS moves away from it")
         if gap == verdicts.REPRODUCED:
-            return ("the gap moves the paper's way, the ratio does not beyond noise: the arms converge in absolute "
-                    "terms with no relative change")
+            return "the gap moves the paper's way; the ratio's slope is inside noise, so the relative change is open"
         if ratio == verdicts.REPRODUCED:
-            return "the ratio moves the paper's way, the gap does not"
+            return ("the ratio moves the paper's way; the gap's slope "
+                    f"{'moves against it' if gap == verdicts.OPPOSITE else 'is inside noise'}")
         if (gap, ratio) == (verdicts.OPPOSITE, verdicts.OPPOSITE):
             return "the gap and the ratio both move against the paper"
         if verdicts.OPPOSITE in (gap, ratio):
             return f"the {'gap' if gap == verdicts.OPPOSITE else 'ratio'} moves against the paper, the other is " \
                    "inside noise"
-        return "neither the gap nor the ratio changes with depth beyond noise"
+        return "neither the gap's nor the ratio's slope excludes zero"
 
     def as_dict(self) -> dict:
         return dict(measure=self.measure, gap=self.gap.as_dict(), ratio=self.ratio.as_dict(), reading=self.reading())
@@ -299,11 +300,19 @@ def comparative_verdicts(axis: Axis, records) -> list[Comparison]:
                                                                 verdicts.NOT_MEASURABLE, reason)
                                                for claim in (gap_claim, ratio_claim))))
             continue
+        ratio = slope_verdict(ratio_claim, direction,
+                              slope_by_seed(paired_differences(axis, records, measure, log_ratio=True), False))
+        left_out = nonpositive_pairs(axis, records, measure)
+        if left_out:
+            note = ("the log ratio leaves out the pairs where a value is 0 or below (" + "; ".join(
+                f"{axis.symbol} = {value}: seed{'s' * (len(seeds) > 1)} {', '.join(map(str, seeds))}"
+                for value, seeds in left_out.items())
+                + ")")
+            ratio.reason = f"{ratio.reason}; {note}" if ratio.reason else note
         found.append(Comparison(
             measure,
             slope_verdict(gap_claim, direction, slope_by_seed(paired_differences(axis, records, measure), False)),
-            slope_verdict(ratio_claim, direction,
-                          slope_by_seed(paired_differences(axis, records, measure, log_ratio=True), False))))
+            ratio))
     return found
 
 
@@ -316,7 +325,14 @@ def comparative_section(comparisons: list[Comparison]) -> str:
             cells.append(v.status if v.effect is None else
                          f"{v.effect:+.4g} [{v.low:+.4g}, {v.high:+.4g}], {v.n_agree}/{v.n_pairs} seeds: {v.status}")
         rows.append("| " + " | ".join([*cells, c.reading()]) + " |")
-    notes = [f"- {measures.MEASURES[c.measure]}: {c.gap.reason}" for c in comparisons if c.gap.effect is None]
+    notes = []
+    for c in comparisons:
+        if c.gap.effect is None:
+            notes.append(f"- {measures.MEASURES[c.measure]}: {c.gap.reason}")
+            continue
+        notes += [f"- {measures.MEASURES[c.measure]}, {kind}: {v.reason}" for kind, v in (("gap", c.gap),
+                                                                                         ("ratio", c.ratio))
+                  if v.reason]
     return "\n".join(rows + ([""] + notes if notes else []))
 
 

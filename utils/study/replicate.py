@@ -9,12 +9,13 @@ a replicate says how much of a report is the study and how much is its one set o
 
 The two must be the same study: the same budget and settings, and every run both hold trained with the same flags
 (a --dtype or --compile makes another study) and analysed with the same settings. Every verdict of the two summaries
-is matched by where it sits (its section, its measure, its claim). Where both measured it, a verdict *keeps its
-status* when it is the same in both (reproduced, inside noise, opposite, not reproduced); the table also says
-whether the two 95% intervals overlap. A verdict that only one of them could measure (a measure the other's records
-predate) is listed apart, as are verdicts only one summary holds. Per run of the summary: its status and eval loss
-in both, and the scalar measures that moved most, in relative terms (values of at least 0.01) and in absolute
-terms. Writes replication<suffix>.md and .json in the replicate's folder, or in --out.
+is matched by where it sits (its section, its measure, its claim). Where both measured it in the same units, a
+verdict *keeps its status* when it is the same in both (reproduced, inside noise, opposite, not reproduced); the table
+also says whether the two 95% intervals overlap. A verdict judged over seeds in one and over one seed's documents in
+the other (a replicate part-way through) is listed apart, not compared. So is a verdict that only one of them could
+measure (a measure the other's records predate), and so are verdicts only one summary holds. Per run of the summary:
+its status and eval loss in both, and the scalar measures that moved most, in relative terms (values of at least
+0.01) and in absolute terms. Writes replication<suffix>.md and .json in the replicate's folder, or in --out.
 """
 from __future__ import annotations
 
@@ -159,17 +160,19 @@ def section(where: tuple[str, ...], verdict: dict) -> str:
 def compare_reports(original: dict, replicate: dict) -> dict:
     """Verdicts both measured (rows), verdicts measured in one only, and verdicts one summary lacks."""
     in_original, in_replicate = verdicts_in(original), verdicts_in(replicate)
-    compared, measured_in_one = [], []
+    compared, measured_in_one, judged_apart = [], [], []
     for where in [w for w in in_original if w in in_replicate]:
         a, b = in_original[where], in_replicate[where]
         entry = dict(where=section(where, a), claim=a["claim"], original=a, replicate=b)
         measurable = (a["status"] != NOT_MEASURABLE, b["status"] != NOT_MEASURABLE)
-        if all(measurable):
+        if all(measurable) and (a.get("unit"), a.get("scale")) != (b.get("unit"), b.get("scale")):
+            judged_apart.append(entry)  # e.g. over seeds in one, over one seed's documents in the other
+        elif all(measurable):
             compared.append(dict(entry, same_status=a["status"] == b["status"],
                                  intervals_overlap=overlap(a, b)))
         elif any(measurable):
             measured_in_one.append(dict(entry, measured_in="original" if measurable[0] else "replicate"))
-    return dict(rows=compared, measured_in_one=measured_in_one,
+    return dict(rows=compared, measured_in_one=measured_in_one, judged_apart=judged_apart,
                 only_in_replicate=[dict(where=section(w, v), verdict=v)
                                    for w, v in in_replicate.items() if w not in in_original],
                 only_in_original=[dict(where=section(w, v), verdict=v)
@@ -209,6 +212,13 @@ def report_text(args, comparison: dict, runs: list[dict], machines: tuple[str, s
                   "runs finished).", ""]
         lines += [f"- {item['where']}: {item['claim']}: {interval_text(item[item['measured_in']])} "
                   f"(only the {item['measured_in']})" for item in comparison["measured_in_one"]]
+    if comparison["judged_apart"]:
+        lines += ["", "## Verdicts judged in different units", "",
+                  "Both measured, but over different units (over seeds in one, over one seed's held-out documents in "
+                  "the other, where an arm has a single finished seed): their statuses and intervals are not "
+                  "compared.", ""]
+        lines += [f"- {item['where']}: {item['claim']}: {interval_text(item['original'])} (original); "
+                  f"{interval_text(item['replicate'])} (replicate)" for item in comparison["judged_apart"]]
     for key, title in (("only_in_replicate", "Verdicts only the replicate's summary holds"),
                        ("only_in_original", "Verdicts only the original's summary holds")):
         if comparison[key]:

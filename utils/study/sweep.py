@@ -107,6 +107,19 @@ def paired_differences(axis: Axis, records, measure: str, log_ratio: bool = Fals
     return table
 
 
+def nonpositive_pairs(axis: Axis, records, measure: str) -> dict[int, list[int]]:
+    """{value: seeds} where both arms have the measure and one of them is 0 or below: no log ratio there."""
+    found = {}
+    for value in axis.values:
+        pre = by_seed(records, axis.arm(value, "pre"), measure)
+        lns = by_seed(records, axis.arm(value, "lns"), measure)
+        seeds = [seed for seed in sorted(pre) if pre[seed] is not None and lns.get(seed) is not None
+                 and min(pre[seed], lns[seed]) <= 0]
+        if seeds:
+            found[value] = seeds
+    return found
+
+
 def plot_against(axis: Axis, records, path: Path) -> Path:
     """Every measure at the last checkpoint against the swept value, one line per norm type."""
     plt = pyplot()
