@@ -3,8 +3,9 @@
 Every number with a decimal point in the block, and in docs/study.md's findings sections, must be found in a report
 that its section or its own paragraph links to (the report's text, its summary JSON, or what its run records give:
 a run's measures, an arm's means, and any two arms' paired interval), at the precision the README prints it: an
-interval "e [l, h]" as a whole, against the reports' intervals, and any other number against the reports' numbers. A number printed without a
-sign matches either sign ("trails by 0.17 [0.14, 0.20]"). A paragraph with numbers that cites no report fails.
+interval "e [l, h]" as a whole, against the reports' intervals, and any other number against the reports' numbers.
+A number printed without a sign matches either sign ("trails by 0.17 [0.14, 0.20]"). A paragraph with numbers that
+cites no report fails.
 
 Rounding a rounded number can move it (-0.03448 printed as -0.0345, then as -0.035): a report's printed number
 stands in only when it is printed with the README's precision or at least two more places; otherwise only the

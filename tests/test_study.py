@@ -1192,6 +1192,18 @@ def test_a_replicate_says_which_verdicts_keep_their_status_and_how_far_each_run_
     assert f"{n - 1} of the {n} verdicts both measured keep their status" in capsys.readouterr().out
 
 
+def test_a_replicate_counts_a_verdict_its_summary_holds_twice_once(tmp_path):
+    """compare_norms' summary holds LNS − Pre-LN's eval loss among the verdicts and again per arm: one claim."""
+    from utils.study import replicate
+
+    _replicate_of(pathlib.Path("docs/study_long"), tmp_path / "again")
+    assert replicate.main(["docs/study_long", str(tmp_path / "again")]) == 0
+    rows = json.loads((tmp_path / "again" / "replication.json").read_text())["rows"]
+    claims = [row["claim"] for row in rows]
+    assert claims.count("LNS reaches a lower eval loss than Pre-LN") == 1 and len(claims) == len(set(claims))
+    assert all(row["same_status"] for row in rows)
+
+
 def test_a_replicate_compares_a_budgets_own_summary(tmp_path):
     from utils.study import replicate
 

@@ -160,9 +160,13 @@ def section(where: tuple[str, ...], verdict: dict) -> str:
 def compare_reports(original: dict, replicate: dict) -> dict:
     """Verdicts both measured (rows), verdicts measured in one only, and verdicts one summary lacks."""
     in_original, in_replicate = verdicts_in(original), verdicts_in(replicate)
-    compared, measured_in_one, judged_apart = [], [], []
+    compared, measured_in_one, judged_apart, seen = [], [], [], set()
     for where in [w for w in in_original if w in in_replicate]:
         a, b = in_original[where], in_replicate[where]
+        same_verdict = json.dumps([a, b], sort_keys=True)  # a summary may hold one verdict twice (per arm, and overall)
+        if same_verdict in seen:
+            continue
+        seen.add(same_verdict)
         entry = dict(where=section(where, a), claim=a["claim"], original=a, replicate=b)
         measurable = (a["status"] != NOT_MEASURABLE, b["status"] != NOT_MEASURABLE)
         if all(measurable) and (a.get("unit"), a.get("scale")) != (b.get("unit"), b.get("scale")):
