@@ -108,16 +108,12 @@ def paired_differences(axis: Axis, records, measure: str, log_ratio: bool = Fals
 
 
 def nonpositive_pairs(axis: Axis, records, measure: str) -> dict[int, list[int]]:
-    """{value: seeds} where both arms have the measure and one of them is 0 or below: no log ratio there."""
-    found = {}
-    for value in axis.values:
-        pre = by_seed(records, axis.arm(value, "pre"), measure)
-        lns = by_seed(records, axis.arm(value, "lns"), measure)
-        seeds = [seed for seed in sorted(pre) if pre[seed] is not None and lns.get(seed) is not None
-                 and min(pre[seed], lns[seed]) <= 0]
-        if seeds:
-            found[value] = seeds
-    return found
+    """{value: seeds} where both arms have the measure and one of them is 0 or below: the pairs that
+    paired_differences has as a gap but not as a log ratio."""
+    gaps = paired_differences(axis, records, measure)
+    ratios = paired_differences(axis, records, measure, log_ratio=True)
+    left_out = {value: sorted(set(gaps[value]) - set(ratios[value])) for value in gaps}
+    return {value: seeds for value, seeds in left_out.items() if seeds}
 
 
 def plot_against(axis: Axis, records, path: Path) -> Path:
