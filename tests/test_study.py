@@ -11,7 +11,7 @@ import time
 import pytest
 import tqdm.auto
 
-from utils import compare_norms, depth_sweep
+from utils import compare_norms, depth_sweep, width_sweep
 from utils.study import analyse, claims, host, measures, report, runs, sweep, verdicts
 
 
@@ -569,12 +569,41 @@ def test_the_studies_default_to_mixed_precision_compiled(study):
     (compare_norms, "quick", ["--dtype", "float32"], "runs/study_quick_compile/report", "runs/study_quick_compile"),
     (depth_sweep, "default", [], "docs/depth_sweep_mixed_compile", "runs/depth_sweep_mixed_compile"),
     (depth_sweep, "default", ["--dtype", "float32", "--no-compile"], "docs/depth_sweep", "runs/depth_sweep"),
+    (depth_sweep, "default", ["--dtype", "float32", "--no-compile", "--lr", "0.001"], "docs/depth_sweep",
+     "runs/depth_sweep"),
+    (depth_sweep, "wikipedia", ["--dtype", "float32", "--no-compile", "--lr", "5e-4"],
+     "docs/depth_sweep_wikipedia_lr0.0005", "runs/depth_sweep_wikipedia_lr0.0005"),
+    (compare_norms, "default", ["--lr", "2e-3"], "docs/study_mixed_compile_lr0.002",
+     "runs/study_mixed_compile_lr0.002"),
+    (width_sweep, "default", ["--dtype", "float32", "--no-compile", "--lr", "2e-3"], "docs/width_sweep_lr0.002",
+     "runs/width_sweep_lr0.002"),
 ])
 def test_a_dtype_or_compile_variant_gets_its_own_default_folders(study, budget, flags, out, runs_dir):
     """A variant's runs are other records: by default they go beside the committed ones, never over them; the
     committed float32, eager records keep their plain folders."""
     args = study.parse_args(["--budget", budget, *flags])
     assert args.out == runs.REPO / out and args.runs_dir == runs.REPO / runs_dir
+
+
+@pytest.mark.parametrize("study", [compare_norms, depth_sweep, width_sweep])
+def test_an_lr_other_than_the_budgets_reaches_every_run(study):
+    """Issue 47's lr grid: --lr is the peak rate of every run the study trains; the budget's rate is the default."""
+    def rates(argv):
+        specs = study.run_specs(study.parse_args(["--quick", *argv]), *(
+            [compare_norms.ARMS] if study is compare_norms else []))
+        return {spec.train_flags[spec.train_flags.index("--lr") + 1] for spec in specs}
+
+    assert rates([]) == {"1e-3"}
+    assert rates(["--lr", "2e-3"]) == {"0.002"}
+
+
+@pytest.mark.parametrize("value, message", [("0", "must be a positive number, got 0"), ("-0.001", "got -0.001"),
+                                            ("inf", "got inf"), ("fast", "not a number: 'fast'")])
+def test_a_bad_lr_is_one_line_naming_the_flag(value, message, capsys):
+    with pytest.raises(SystemExit):
+        depth_sweep.parse_args(["--lr", value])
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "error: argument --lr:" in err and message in err
 
 
 @pytest.mark.parametrize("argv, command", [

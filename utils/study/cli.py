@@ -1,4 +1,4 @@
-"""The command line every study shares: its budget, seeds, folders, parallelism, precision and device."""
+"""The command line every study shares: its budget, seeds, folders, parallelism, precision, device and lr."""
 from __future__ import annotations
 
 import argparse
@@ -46,6 +46,10 @@ def add_study_arguments(parser: argparse.ArgumentParser, budgets: dict,
                         help="where every run trains and is analysed: cpu (the default) or cuda (one GPU; --jobs "
                              "runs share it). The flags are otherwise the same; CPU and GPU records are distinct, "
                              "and a GPU setting's default folders end in _cuda")
+    parser.add_argument("--lr", type=positive_float, default=None,
+                        help="the peak learning rate of every run (Adam; default: the budget's, 1e-3). Another rate "
+                             "trains into default folders of its own (suffix _lr<rate>), so that the points of an lr "
+                             "grid keep their records apart and each gets its own report")
 
 
 def resolve_study_args(parser: argparse.ArgumentParser, args, budgets: dict) -> None:
@@ -53,6 +57,10 @@ def resolve_study_args(parser: argparse.ArgumentParser, args, budgets: dict) -> 
     if args.quick:
         args.budget = "quick"
     args.settings = {**budgets["default"], **budgets[args.budget]}
+    rate = ""  # the folder suffix of a rate other than the budget's
+    if args.lr is not None and args.lr != float(args.settings["lr"]):
+        args.settings["lr"] = f"{args.lr:g}"
+        rate = f"_lr{args.settings['lr']}"
     if args.jobs < 1:
         parser.error(f"--jobs must be positive, got {args.jobs}")
     if args.max_hours is not None and args.max_hours <= 0:
@@ -75,7 +83,7 @@ def resolve_study_args(parser: argparse.ArgumentParser, args, budgets: dict) -> 
     # Folders are named from float32 eager, the precision and mode of the records committed before the default
     # became mixed and compiled: those keep their plain names, every other setting gets a suffix.
     variant = (("" if args.dtype == "float32" else f"_{args.dtype}") + ("_compile" if args.compile else "")
-               + ("" if args.device == "cpu" else f"_{args.device}"))
+               + ("" if args.device == "cpu" else f"_{args.device}") + rate)
     args.out = Path(args.out or REPO / variant_folder(args.settings["out"], variant))
     args.runs_dir = Path(args.runs_dir or REPO / variant_folder(args.settings["runs_dir"], variant))
 
@@ -89,6 +97,17 @@ def parse_study_args(parser: argparse.ArgumentParser, argv, budgets: dict, overr
         if getattr(args, name):
             args.settings[name] = tuple(getattr(args, name))
     return args
+
+
+def positive_float(text: str) -> float:
+    """argparse's type for --lr: a finite number above zero."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
 
 
 def variant_folder(folder: str, variant: str) -> Path:
