@@ -1,0 +1,108 @@
+"""The depth sweep's learning-rate grid (issue 47), on the committed Wikipedia records and copies of them retold as
+runs at another rate."""
+import json
+import pathlib
+import shutil
+
+import pytest
+
+from utils.study import lr_grid, runs
+
+RECORDS = runs.REPO / "docs/depth_sweep_wikipedia/runs"
+
+
+def at_rate(record: dict, rate: str, shift: float, seed: int | None = None) -> dict:
+    """The record as if trained at `rate`, its last eval loss and held-out documents' losses moved by `shift`."""
+    record = json.loads(json.dumps(record))
+    record["flags"][record["flags"].index("--lr") + 1] = rate
+    record["flags"] = [f.replace("runs/depth_sweep_wikipedia/", f"runs/depth_sweep_wikipedia_lr{rate}/")
+                       for f in record["flags"]]
+    record["eval_curve"][-1][1] += shift
+    last = record["analyses"][str(max(int(s) for s in record["analyses"]))]
+    last["removal_document_nats"] = [v + shift for v in last["removal_document_nats"]]
+    if seed is not None:
+        record["seed"] = seed
+        record["flags"][record["flags"].index("--seed") + 1] = str(seed)
+    return record
+
+
+def write_folder(folder: pathlib.Path, records: dict[str, dict]) -> pathlib.Path:
+    (folder / "runs").mkdir(parents=True)
+    for name, record in records.items():
+        (folder / "runs" / f"{name}.json").write_text(json.dumps(record))
+    return folder
+
+
+def committed(name: str) -> dict:
+    return json.loads((RECORDS / f"{name}.json").read_text())
+
+
+def test_each_point_gets_its_best_rate_and_the_verdicts_compare_points_at_it(tmp_path):
+    base = write_folder(tmp_path / "base", {n: committed(n) for n in ("L12-pre-seed1", "L24-pre-seed1",
+                                                                       "L12-lns-seed1")})
+    low = write_folder(tmp_path / "low", {"L24-pre-seed1": at_rate(committed("L24-pre-seed1"), "0.0005", -0.3),
+                                          "L12-pre-seed1": at_rate(committed("L12-pre-seed1"), "0.0005", +0.01)})
+    assert lr_grid.main([str(base), str(low), "--out", str(tmp_path / "grid")]) == 0
+    summary = json.loads((tmp_path / "grid/lr_grid.json").read_text())
+    assert summary["best_rate"] == {"pre": {"12": 0.001, "24": 0.0005}, "lns": {"12": 0.001}}
+    assert summary["reference_rate"] == 0.001
+    depth = summary["verdicts"]["depth"]
+    assert [v["claim"] for v in depth] == [
+        "Pre-LN at its best rates: L=24 (lr 0.0005) reaches a lower loss than L=12 (lr 0.001)"]
+    # moved by -0.3 on every document: beyond the documents' noise
+    assert depth[0]["status"] == "reproduced" and depth[0]["effect"] == pytest.approx(
+        lr_grid.compare(lr_grid.read_grid([base]), "L12-pre@0.001", "L24-pre@0.001", "", ("a", "b")).effect - 0.3)
+    tuning = summary["verdicts"]["tuning"]
+    assert [v["claim"] for v in tuning] == ["Pre-LN at L=24: lr 0.0005 reaches a lower loss than lr 0.001"]
+    assert tuning[0]["status"] == "reproduced"
+    text = (tmp_path / "grid/lr_grid.md").read_text()
+    assert "| Pre-LN | 24 | **" in text and "0.0005 (the grid's edge)" in text
+    assert "| LNS | 12 | not trained | **" in text and "(the only rate trained)" in text
+    assert (tmp_path / "grid/lr_grid.png").stat().st_size > 0
+
+
+def test_with_two_seeds_a_point_is_judged_over_seeds(tmp_path):
+    pre = committed("L12-pre-seed1")
+    base = write_folder(tmp_path / "base", {"L12-pre-seed1": pre, "L12-pre-seed2": at_rate(pre, "1e-3", 0.02, 2),
+                                            "L12-lns-seed1": committed("L12-lns-seed1"),
+                                            "L12-lns-seed2": at_rate(committed("L12-lns-seed1"), "1e-3", 0.01, 2)})
+    high = write_folder(tmp_path / "high", {"L12-pre-seed1": at_rate(pre, "0.002", -0.05),
+                                            "L12-pre-seed2": at_rate(pre, "0.002", -0.03, 2)})
+    summary = lr_grid.write([base, high], tmp_path / "grid", [])
+    assert summary["best_rate"]["pre"] == {"12": 0.002}
+    (versus,) = summary["verdicts"]["lns_vs_pre"]
+    assert versus["unit"] == "seeds" and versus["n_pairs"] == 2
+    assert "2 seeds)" in (tmp_path / "grid/lr_grid.md").read_text()
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda r: r["flags"].__setitem__(r["flags"].index("--max_length") + 1, "256"), "not one budget's grid"),
+    (lambda r: r["analysis_settings"].__setitem__("removal_documents", 4), "not one budget's grid"),
+])
+def test_a_record_of_another_budget_is_one_line_naming_it(tmp_path, capsys, change, message):
+    base = write_folder(tmp_path / "base", {"L12-pre-seed1": committed("L12-pre-seed1")})
+    other = at_rate(committed("L24-pre-seed1"), "0.0005", 0.0)
+    change(other)
+    odd = write_folder(tmp_path / "odd", {"L24-pre-seed1": other})
+    with pytest.raises(SystemExit) as exit_info:
+        lr_grid.main([str(base), str(odd), "--out", str(tmp_path / "grid")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "\n" not in err and "odd/runs/L24-pre-seed1.json" in err and message in err
+    assert not (tmp_path / "grid").exists()
+
+
+def test_two_records_of_one_point_and_seed_are_refused(tmp_path, capsys):
+    base = write_folder(tmp_path / "base", {"L12-pre-seed1": committed("L12-pre-seed1")})
+    again = tmp_path / "again"
+    shutil.copytree(base, again)
+    with pytest.raises(SystemExit):
+        lr_grid.main([str(base), str(again)])
+    assert "a second record of L12-pre@0.001 at seed 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [(["docs/depth_sweep_wikipedia"], "at least two rates"),
+                                           (["docs/depth_sweep_wikipedia", "nowhere"], "nowhere: no run records")])
+def test_bad_folders_are_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        lr_grid.main(argv)
+    assert message in capsys.readouterr().err

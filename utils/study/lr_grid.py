@@ -1,0 +1,272 @@
+"""A depth sweep's learning-rate grid: at each depth and arm, the eval loss at every rate trained, the best rate, and
+the depth and LNS verdicts again with each point at its own best rate.
+
+One rate for every depth can favour the shallow models (a deeper Pre-LN stack may want a smaller rate) or one arm
+(LNS shrinks what each block adds, which can act like a smaller rate). A grid answers both: it is a depth sweep
+trained at several rates, each rate in its own report folder (`utils/depth_sweep.py --lr` names them), read together:
+
+    python utils/depth_sweep.py --budget wikipedia_pilot --dtype float32 --no-compile --lr 5e-4 --depths 24 12
+    python -m utils.study.lr_grid docs/depth_sweep_wikipedia docs/depth_sweep_wikipedia_lr0.0005
+
+The folders must hold one budget: every record trained with the same flags but --lr (and its seed and folders) and
+analysed with the same settings. A point's best rate is the one with the lowest eval loss (mean over its seeds);
+the verdicts then compare points at their best rates on the held-out loss, paired by seed, or with one shared seed
+on the held-out documents of the removal analysis. The documents are validation articles, as are the eval tokens
+that chose the rates, so an interval at the best rates is somewhat optimistic. A best rate at the edge of the rates
+a point trained may lie beyond the grid; the table marks it. Writes lr_grid.md, .json and .png in --out (default:
+the first folder's name with _lr_grid).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from peft_pretraining.cli import OneLineErrorParser
+from utils.study import claims, verdicts
+from utils.study.measures import by_seed
+from utils.study.plots import pyplot
+from utils.study.runs import read_record, recorded_settings
+from utils.study.sweep import NORMS
+
+ARM = re.compile(r"L(\d+)-(\w+)")
+# Flags that differ between the runs of one grid: the grid point (its rate and arm) and the seed.
+PER_RUN_FLAGS = ("--lr", "--seed", "--norm_type")
+
+
+def rate_of(record: dict) -> float:
+    flags = record["flags"]
+    return float(flags[flags.index("--lr") + 1])
+
+
+def budget_of(record: dict) -> tuple:
+    """What a record shares with every other record of its grid: its flags without the rate, the arm and the seed,
+    its config's name without its folder and depth (llama_h64_L12.json: llama_h64.json), and its analysis
+    settings."""
+    flags, kept = record["flags"], []
+    for index, flag in enumerate(flags):
+        if flag in PER_RUN_FLAGS or (index and flags[index - 1] in PER_RUN_FLAGS):
+            continue
+        kept.append(re.sub(r"_L\d+(?=\.json$)", "", Path(flag).name) if index and flags[index - 1] == "--model_config"
+                    else flag)
+    return tuple(kept), json.dumps(recorded_settings(record), sort_keys=True)
+
+
+def point_name(depth: int, norm: str, rate: float) -> str:
+    return f"L{depth}-{norm}@{rate:g}"
+
+
+def read_grid(folders: list[Path]) -> dict[str, dict]:
+    """{run name: record} of the Pre-LN and LNS runs the folders' runs/ hold, each arm renamed to its grid point
+    (L12-pre trained at 5e-4: L12-pre@0.0005). ValueError, naming the file, for an unreadable record or one of
+    another budget, and for two records of one point and seed."""
+    grid, budget, first = {}, None, None
+    for folder in folders:
+        paths = sorted((folder / "runs").glob("*.json"))
+        if not paths:
+            raise ValueError(f"{folder}: no run records in {folder / 'runs'}")
+        for path in paths:
+            record = read_record(path)
+            if record is None or "flags" not in record or "arm" not in record:
+                raise ValueError(f"{path}: not a readable run record")
+            match = ARM.fullmatch(record["arm"])
+            if match is None or match[2] not in NORMS:
+                continue  # a rival placement's run: the grid compares Pre-LN and LNS
+            if budget is None:
+                budget, first = budget_of(record), path
+            elif budget_of(record) != budget:
+                raise ValueError(f"{path}: trained or analysed unlike {first} (beyond the rate, the arm and the "
+                                 "seed): the folders are not one budget's grid")
+            arm = point_name(int(match[1]), match[2], rate_of(record))
+            name = f"{arm}-seed{record['seed']}"
+            if name in grid:
+                raise ValueError(f"{path}: a second record of {arm} at seed {record['seed']}")
+            grid[name] = dict(record, arm=arm)
+    return grid
+
+
+def points(grid: dict[str, dict]) -> dict[str, dict[int, dict[float, dict[int, float | None]]]]:
+    """{norm: {depth: {rate: {seed: eval loss}}}}, sorted by depth and rate."""
+    found = {}
+    for record in grid.values():
+        depth, norm = ARM.match(record["arm"]).groups()
+        found.setdefault(norm, {}).setdefault(int(depth), {}).setdefault(rate_of(record), {})
+    for norm, depths in found.items():
+        for depth, rates in depths.items():
+            for rate in rates:
+                rates[rate] = by_seed(grid, point_name(depth, norm, rate), "eval_loss")
+    return {norm: {depth: dict(sorted(found[norm][depth].items())) for depth in sorted(found[norm])}
+            for norm in NORMS if norm in found}
+
+
+def mean_loss(per_seed: dict[int, float | None]) -> float | None:
+    values = [v for v in per_seed.values() if v is not None]
+    return float(np.mean(values)) if values else None
+
+
+def best_rates(table) -> dict[str, dict[int, float]]:
+    """{norm: {depth: the rate of the lowest mean eval loss}} over the points with a finished run."""
+    best = {}
+    for norm, depths in table.items():
+        for depth, rates in depths.items():
+            means = {rate: mean_loss(per_seed) for rate, per_seed in rates.items()}
+            means = {rate: m for rate, m in means.items() if m is not None}
+            if means:
+                best.setdefault(norm, {})[depth] = min(means, key=means.get)
+    return best
+
+
+def compare(grid: dict[str, dict], a: str, b: str, claim: str, labels: tuple[str, str]) -> verdicts.Verdict:
+    """b's loss below a's: the eval loss paired by seed, or with one shared seed the held-out documents' loss."""
+    verdict = verdicts.judge_seeds(claim, -1, by_seed(grid, a, "eval_loss"), by_seed(grid, b, "eval_loss"), labels)
+    documents = claims.one_shared_seed_documents(grid, a, b) if verdict.status == verdicts.NOT_MEASURABLE else None
+    if documents is None:
+        return verdict
+    return claims.documents_note(verdicts.judge_documents(claim, -1, documents[0]["heldout_nats"],
+                                                          documents[1]["heldout_nats"]),
+                                 "the loss per word (nats; not the trainer's eval loss)")
+
+
+def grid_verdicts(grid, table, best) -> dict[str, list[verdicts.Verdict]]:
+    """At the best rates: each arm between consecutive depths, LNS against Pre-LN at each depth, and each point's
+    best rate against the reference rate (the most common one, the budget's) where they differ."""
+    found = {"depth": [], "lns_vs_pre": [], "tuning": []}
+    for norm, label in NORMS.items():
+        depths = sorted(best.get(norm, {}))
+        for shallow, deep in zip(depths, depths[1:]):
+            a, b = point_name(shallow, norm, best[norm][shallow]), point_name(deep, norm, best[norm][deep])
+            found["depth"].append(compare(grid, a, b, f"{label} at its best rates: L={deep} (lr {best[norm][deep]:g}) "
+                                          f"reaches a lower loss than L={shallow} (lr {best[norm][shallow]:g})",
+                                          (a, b)))
+    for depth in sorted(set(best.get("pre", {})) & set(best.get("lns", {}))):
+        a, b = point_name(depth, "pre", best["pre"][depth]), point_name(depth, "lns", best["lns"][depth])
+        found["lns_vs_pre"].append(compare(
+            grid, a, b, f"L={depth}, each at its best rate: LNS (lr {best['lns'][depth]:g}) reaches a lower loss "
+                        f"than Pre-LN (lr {best['pre'][depth]:g})", (a, b)))
+    reference = reference_rate(table)
+    for norm, label in NORMS.items():
+        for depth, rate in best.get(norm, {}).items():
+            if rate != reference and reference in table[norm][depth]:
+                a, b = point_name(depth, norm, reference), point_name(depth, norm, rate)
+                found["tuning"].append(compare(grid, a, b, f"{label} at L={depth}: lr {rate:g} reaches a lower loss "
+                                                           f"than lr {reference:g}", (a, b)))
+    return found
+
+
+def reference_rate(table) -> float:
+    """The rate most points trained at (the budget's); the smallest of a tie."""
+    counts = {}
+    for depths in table.values():
+        for rates in depths.values():
+            for rate in rates:
+                counts[rate] = counts.get(rate, 0) + 1
+    return min(counts, key=lambda rate: (-counts[rate], rate))
+
+
+def loss_cell(per_seed: dict[int, float | None]) -> str:
+    values = [v for v in per_seed.values() if v is not None]
+    if not values:
+        return "diverged" if per_seed else "n/a"
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    mean, low, high = verdicts.paired_t_interval(values)
+    return f"{mean:.3f} [{low:.3f}, {high:.3f}] ({len(values)} seeds)"
+
+
+def table_text(table, best) -> str:
+    rates = sorted({rate for depths in table.values() for rates in depths.values() for rate in rates})
+    lines = ["| arm | L | " + " | ".join(f"lr {rate:g}" for rate in rates) + " | best rate |",
+             "|---|---|" + "---|" * (len(rates) + 1)]
+    for norm, depths in table.items():
+        for depth, trained in depths.items():
+            cells = []
+            for rate in rates:
+                cell = loss_cell(trained[rate]) if rate in trained else "not trained"
+                cells.append(f"**{cell}**" if best.get(norm, {}).get(depth) == rate else cell)
+            chosen = best.get(norm, {}).get(depth)
+            edge = chosen is not None and len(trained) > 1 and chosen in (min(trained), max(trained))
+            where = "n/a" if chosen is None else f"{chosen:g}" + (" (the grid's edge)" if edge else "")
+            if chosen is not None and len(trained) == 1:
+                where += " (the only rate trained)"
+            lines.append(f"| {NORMS[norm]} | {depth} | " + " | ".join(cells) + f" | {where} |")
+    return "\n".join(lines)
+
+
+def plot(table, path: Path) -> Path:
+    """Eval loss against depth, one panel per arm, one line per rate (mean over seeds)."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(table), figsize=(5 * len(table), 3.8), squeeze=False, sharey=True)
+    rates = sorted({rate for depths in table.values() for rates in depths.values() for rate in rates})
+    for ax, (norm, depths) in zip(axes.flat, table.items()):
+        for rate in rates:
+            xs = [(d, mean_loss(r[rate])) for d, r in depths.items() if rate in r and mean_loss(r[rate]) is not None]
+            if xs:
+                ax.plot(*zip(*xs), marker="o", label=f"lr {rate:g}")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(depths), [str(d) for d in sorted(depths)])
+        ax.set_title(NORMS[norm], fontsize=10)
+        ax.set_xlabel("layers L")
+        ax.legend(fontsize=8)
+    axes.flat[0].set_ylabel("eval loss (nats/token)")
+    fig.suptitle("Eval loss against depth at each learning rate", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=140)
+    plt.close(fig)
+    return path
+
+
+def write(folders: list[Path], out: Path, argv: list[str]) -> dict:
+    grid = read_grid(folders)
+    table = points(grid)
+    best = best_rates(table)
+    found = grid_verdicts(grid, table, best)
+    out.mkdir(parents=True, exist_ok=True)
+    plot(table, out / "lr_grid.png")
+    sections = {"depth": "## Does depth pay once each depth has its best rate?",
+                "lns_vs_pre": "## Does LNS still lead once each arm has its best rate?",
+                "tuning": "## Did the best rate beat the reference rate beyond noise?"}
+    text = ["# Learning-rate grid of a depth sweep", "",
+            f"Generated by `python -m utils.study.lr_grid {' '.join(argv)}` from {len(grid)} run records in "
+            + ", ".join(f"`{folder}`" for folder in folders) + ".", "",
+            "Eval loss (nats/token) at the last update, per arm, depth and peak learning rate; the lowest of each "
+            "row in bold. A point's best rate is chosen on this loss; the verdicts below compare points at their "
+            "best rates (the choice and the test read overlapping validation text, so their intervals are somewhat "
+            "optimistic).", "", table_text(table, best), "", "![eval loss against depth at each rate](lr_grid.png)"]
+    for key, heading in sections.items():
+        text += ["", heading, ""]
+        text += [f"- {v.line()}" for v in found[key]] or ["Nothing to compare yet."]
+    (out / "lr_grid.md").write_text("\n".join(text) + "\n")
+    summary = dict(folders=[str(f) for f in folders], reference_rate=reference_rate(table),
+                   eval_loss={norm: {str(d): {f"{r:g}": {str(s): v for s, v in per_seed.items()}
+                                             for r, per_seed in rates.items()} for d, rates in depths.items()}
+                              for norm, depths in table.items()},
+                   best_rate={norm: {str(d): rate for d, rate in depths.items()} for norm, depths in best.items()},
+                   verdicts={key: [v.as_dict() for v in vs] for key, vs in found.items()})
+    (out / "lr_grid.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = OneLineErrorParser(prog="python -m utils.study.lr_grid", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folders", nargs="+", type=Path, help="report folders of one depth sweep at several --lr")
+    parser.add_argument("--out", type=Path, default=None, help="where lr_grid.md/.json/.png go")
+    args = parser.parse_args(argv)
+    if len(set(args.folders)) < 2:
+        parser.error("folders: give the report folders of at least two rates")
+    out = args.out or args.folders[0].with_name(args.folders[0].name + "_lr_grid")
+    try:
+        write(args.folders, out, argv)
+    except ValueError as error:
+        parser.error(str(error))
+    print(out / "lr_grid.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
