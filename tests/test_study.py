@@ -8,6 +8,7 @@ import shutil
 import threading
 import time
 
+import numpy as np
 import pytest
 import tqdm.auto
 
@@ -310,6 +311,28 @@ def test_gap_plot_of_a_partial_sweep_skips_depths_without_an_interval(tmp_path):
     assert one_seed.effect is None and three.effect is not None
     path = sweep.plot_gap([one_seed, three], (6, 12), tmp_path / "gap.png")
     assert path.stat().st_size > 1000
+
+
+def test_a_one_seed_sweep_reports_each_seeds_own_comparative_slopes():
+    """The Wikipedia pilot (one seed): no comparison is measurable over seeds, so the report gives seed 1's own
+    slopes of the gap and the ratio, computed here from the records by hand; a second seed makes them verdicts."""
+    args = depth_sweep.parse_args(["--budget", "wikipedia_pilot", "--dtype", "float32", "--no-compile"])
+    axis = depth_sweep.depth_axis(args)
+    records = {path.stem: json.loads(path.read_text())
+               for path in (runs.REPO / "docs/depth_sweep_wikipedia/runs").glob("L[0-9]*-seed1.json")}
+    values = {(r["arm"], "jacobian_deep"): measures.measures_at(r)["jacobian_deep"] for r in records.values()}
+    single = depth_sweep.one_seed_slopes(axis, records, depth_sweep.comparative_verdicts(axis, records))
+    jacobian = next(s for s in single if s["measure"] == "jacobian_deep")
+    both = [d for d in axis.values if (f"L{d}-pre", "jacobian_deep") in values and (f"L{d}-lns", "jacobian_deep")
+            in values]
+    assert jacobian["values"] == both and jacobian["seed"] == 1 and len(both) >= 2
+    gaps = [values[(f"L{d}-lns", "jacobian_deep")] - values[(f"L{d}-pre", "jacobian_deep")] for d in both]
+    assert jacobian["gap_slope"] == pytest.approx(np.polyfit(np.log(both), gaps, 1)[0])
+    text = depth_sweep.one_seed_text(axis, single)
+    assert "With one seed there is no interval" in text and f"{jacobian['gap_slope']:+.4g}" in text
+    second = {name.replace("seed1", "seed2"): dict(r, seed=2) for name, r in records.items()}
+    records.update(second)
+    assert depth_sweep.one_seed_slopes(axis, records, depth_sweep.comparative_verdicts(axis, records)) == []
 
 
 def test_a_probe_that_did_not_finish_measures_no_overfitting_point(tmp_path):

@@ -316,6 +316,42 @@ def comparative_verdicts(axis: Axis, records) -> list[Comparison]:
     return found
 
 
+def one_seed_slopes(axis: Axis, records, comparisons: list[Comparison]) -> list[dict]:
+    """When no comparison is measurable over seeds (a pilot): per measure and seed, that seed's own slopes of the gap
+    and of the log ratio against ln of the swept value, over the values it has. No interval: a sign at one seed."""
+    if any(verdicts.NOT_MEASURABLE not in (c.gap.status, c.ratio.status) for c in comparisons):
+        return []
+    found = []
+    for c in comparisons:
+        gaps = paired_differences(axis, records, c.measure)
+        gap_slopes = slope_by_seed(gaps, False)
+        ratio_slopes = slope_by_seed(paired_differences(axis, records, c.measure, log_ratio=True), False)
+        for seed, gap in gap_slopes.items():
+            if gap is None:
+                continue
+            ratio = ratio_slopes.get(seed)
+            found.append(dict(measure=c.measure, seed=seed, values=[v for v in axis.values if seed in gaps[v]],
+                              gap_slope=gap, ratio_slope=ratio, expected_direction=c.gap.expected_direction))
+    return found
+
+
+def one_seed_text(axis: Axis, slopes: list[dict]) -> str:
+    """one_seed_slopes as a table, each slope's sign read against the paper's direction."""
+    def way(slope: float | None, direction: int) -> str:
+        if slope is None:
+            return "n/a"
+        reading = "the paper's way" if slope * direction > 0 else "against" if slope else "flat"
+        return f"{slope:+.4g} ({reading})"
+
+    rows = [f"| measure | seed | {axis.symbol} | slope of the gap | slope of ln(LNS / Pre-LN) |", "|---|---|---|---|---|"]
+    rows += [f"| {measures.MEASURES[s['measure']]} | {s['seed']} | {', '.join(map(str, s['values']))} | "
+             f"{way(s['gap_slope'], s['expected_direction'])} | {way(s['ratio_slope'], s['expected_direction'])} |"
+             for s in slopes]
+    return ("\n\nWith one seed there is no interval. Each seed's own slopes against ln "
+            f"{axis.symbol}, over the values it has, and which way each moves (the paper's way or against it): a "
+            "sign at one seed, not a verdict.\n\n" + "\n".join(rows))
+
+
 def comparative_section(comparisons: list[Comparison]) -> str:
     rows = ["| measure | slope of the gap LNS − Pre-LN | slope of ln(LNS / Pre-LN) | which reading |",
             "|---|---|---|---|"]
@@ -610,6 +646,7 @@ def write_report(args, records, skipped, started, argv, probe: dict | None = Non
     predictions = depth_verdicts(args, records)
     axis = depth_axis(args)
     comparisons = comparative_verdicts(axis, records)
+    single = one_seed_slopes(axis, records, comparisons)
     own = lns_own_slopes(axis, records)
     regime_text, regime_summary = regime(axis, records, heldout_text(s))
     gaps = gap_verdicts(axis, records)
@@ -640,7 +677,7 @@ judged in the direction the paper predicts. The gap and the ratio can disagree: 
 zero as L grows, their gap narrows while their ratio need not move, and only a ratio moving the paper's way means
 that LNS's deep layers become relatively more active.
 
-{comparative_section(comparisons)}
+{comparative_section(comparisons)}{one_seed_text(axis, single) if single else ""}
 
 ## Pre-LN's own depth predictions, with LNS's own slope beside each
 
@@ -679,6 +716,7 @@ Raw numbers: one JSON record per run in `runs/`, and `summary{suffix}.json`.
 """
     summary = dict(budget=args.budget, settings=s, regime=regime_summary,
                    comparative=[c.as_dict() for c in comparisons],
+                   **({"comparative_one_seed": single} if single else {}),
                    lns_own_slopes={measure: v.as_dict() for measure, v in own.items()},
                    predictions=[v.as_dict() for v in predictions],
                    gaps=[v.as_dict() for v in gaps], overfit_probe=probe_summary, runs=sorted(records),
