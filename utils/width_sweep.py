@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 # GPU: on one H100, six such runs side by side took 41-50 s each (hidden 64 to 512, eager), bound by kernel launches
 # and the GPU's time-slicing between processes rather than by FLOPs.
 BUDGETS = {
-    "default": dict(widths=(64, 128, 256), depth=24, head_dim=16, steps=400, warmup=40, lr="1e-3", batch_size=16,
+    "default": dict(widths=(64, 128, 256), depth=24, head_dim=16, steps=400, warmup=40, batch_size=16,
                     max_length=128, eval_tokens=32_768, seeds=(1, 2, 3), dynamics_points=3, stream_tokens=8_192,
                     jacobian_tokens=32, jacobian_probes=8, removal_documents=16, out="docs/width_sweep",
                     runs_dir="runs/width_sweep"),
@@ -273,7 +273,7 @@ def setup_section(args, records, run_minutes: dict[int, list[float]], speeds: di
 {chr(10).join('  ' + row for row in config_rows.splitlines())}
 - **Budget**: the depth sweep's. {s['steps']} updates × {s['batch_size']} × {s['max_length']} packed tokens =
   {tokens / 1e6:.2f} M tokens per run at every width, {tokens / train_tokens:.2f} epochs over the {train_tokens:,}-token
-  training split; Adam, **one learning rate, {s['lr']}, at every width** (no µP-style per-width rate: a wider model may
+  training split; Adam, **one learning rate, {s.get('lr', runs.DEFAULT_LR)}, at every width** (no µP-style per-width rate: a wider model may
   be further from its best rate, which the report does not correct for), {s['warmup']} warmup steps then cosine to
   10%, clipping 1.0, {cli.DTYPE_LABELS[args.dtype]} (`--dtype {args.dtype}`), {'compiled' if args.compile else 'eager'}.
 - **Instruments** at steps {', '.join(map(str, runs.evenly_spaced_steps(s['steps'], s['dynamics_points'])))}, inside

@@ -7,12 +7,11 @@ import time
 from pathlib import Path
 
 from utils.study.host import bf16_instructions
-from utils.study.runs import DEFAULT_DATASET, REPO
+from utils.study.runs import DEFAULT_DATASET, DEFAULT_LR, REPO
 
 DTYPE_LABELS = {"float32": "float32", "mixed": "mixed precision"}  # the studies' --dtype, as reports name it
 
 DEVICES = ("cpu", "cuda")  # the studies' --device
-
 
 def add_study_arguments(parser: argparse.ArgumentParser, budgets: dict,
                         budget_help: str = "named budget (see above)") -> None:
@@ -58,7 +57,7 @@ def resolve_study_args(parser: argparse.ArgumentParser, args, budgets: dict) -> 
         args.budget = "quick"
     args.settings = {**budgets["default"], **budgets[args.budget]}
     rate = ""  # the folder suffix of a rate other than the budget's
-    if args.lr is not None and args.lr != float(args.settings["lr"]):
+    if args.lr is not None and args.lr != float(args.settings.get("lr", DEFAULT_LR)):
         args.settings["lr"] = f"{args.lr:g}"
         rate = f"_lr{args.settings['lr']}"
     if args.jobs < 1:

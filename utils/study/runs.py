@@ -34,6 +34,9 @@ from utils.study.host import machine_description
 REPO = Path(__file__).resolve().parents[2]
 
 DEFAULT_DATASET = "embedded"  # a budget's "dataset": embedded (in data/) or wikipedia (outside the repository)
+# A budget's peak learning rate ("lr") unless --lr says otherwise; compare_norms' and width_sweep's budgets leave it
+# out, so that their committed summaries, which list the settings, stay as they were.
+DEFAULT_LR = "1e-3"
 
 # checkpoints of a run that keep their training state: older ones keep only the weights the analyses read (a third)
 RESUMABLE_CHECKPOINTS = 1
