@@ -106,3 +106,28 @@ def test_bad_folders_are_one_line(argv, message, capsys):
     with pytest.raises(SystemExit):
         lr_grid.main(argv)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+def test_a_quick_depth_sweep_at_another_rate_reads_as_a_grid(tmp_path):
+    """As a user runs it: the quick depth sweep at --lr 2e-3 into its own folders, then the grid over it and a
+    second folder (its records retold at the budget's rate, to spare CI a second sweep)."""
+    import subprocess
+    import sys
+
+    fast = tmp_path / "fast"
+    subprocess.run([sys.executable, "utils/depth_sweep.py", "--quick", "--dtype", "float32", "--no-compile", "--seeds",
+                    "1", "--lr", "2e-3", "--out", str(fast), "--runs_dir", str(tmp_path / "runs")], cwd=runs.REPO,
+                   check=True, capture_output=True, text=True)
+    records = {path.stem: json.loads(path.read_text()) for path in (fast / "runs").glob("*.json")}
+    assert {r["flags"][r["flags"].index("--lr") + 1] for r in records.values()} == {"0.002"}
+    assert "Adam, lr 0.002," in (fast / "report.md").read_text()
+    base = write_folder(tmp_path / "base", {name: at_rate(r, "1e-3", +0.01) for name, r in records.items()})
+    done = subprocess.run([sys.executable, "-m", "utils.study.lr_grid", str(base), str(fast)], cwd=runs.REPO,
+                          check=True, capture_output=True, text=True)
+    grid = tmp_path / "base_lr_grid"
+    assert done.stdout.strip() == str(grid / "lr_grid.md")
+    summary = json.loads((grid / "lr_grid.json").read_text())
+    assert summary["best_rate"] == {norm: {"2": 0.002, "4": 0.002} for norm in ("pre", "lns")}
+    assert len(summary["verdicts"]["depth"]) == 2 and len(summary["verdicts"]["lns_vs_pre"]) == 2
+    assert len(summary["verdicts"]["tuning"]) == 4

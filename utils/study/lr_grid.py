@@ -250,12 +250,17 @@ def write(folders: list[Path], out: Path, argv: list[str]) -> dict:
     return summary
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog="python -m utils.study.lr_grid", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folders", nargs="+", type=Path, help="report folders of one depth sweep at several --lr")
     parser.add_argument("--out", type=Path, default=None, help="where lr_grid.md/.json/.png go")
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
     args = parser.parse_args(argv)
     if len(set(args.folders)) < 2:
         parser.error("folders: give the report folders of at least two rates")
