@@ -1291,6 +1291,11 @@ def test_a_replicate_of_another_study_is_refused_in_one_line(tmp_path, capsys):
         replicate.main(["docs/depth_sweep", str(tmp_path / "absent")])
     error = capsys.readouterr().err
     assert "replicate: no report in" in error and "summary.json is missing" in error
+    record_path.write_text(record_path.read_text()[:100])  # a damaged record: one line naming it, no traceback
+    with pytest.raises(SystemExit):
+        replicate.main(["docs/depth_sweep", str(tmp_path / "other")])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and f"replicate: {record_path} is not readable JSON" in error[0]
 
 
 def test_a_seed_without_a_slope_is_a_sweep_part_way_through_not_a_diverged_run():

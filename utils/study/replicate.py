@@ -72,13 +72,21 @@ def read_report(folder: Path, which: str, suffix: str, parser: argparse.Argument
     summary_path = folder / f"summary{suffix}.json"
     if not summary_path.is_file():
         parser.error(f"{which}: no report in {folder} (its {summary_path.name} is missing)")
-    summary = json.loads(summary_path.read_text())
+    summary = read_json(summary_path, which, parser)
     records = {}
     for name in summary.get("runs", []):
         path = folder / "runs" / f"{name}.json"
         if path.is_file():
-            records[name] = json.loads(path.read_text())
+            records[name] = read_json(path, which, parser)
     return summary, records
+
+
+def read_json(path: Path, which: str, parser: argparse.ArgumentParser) -> dict:
+    """A report's summary or record; one line naming the file if it is not JSON (a half-written or damaged file)."""
+    try:
+        return json.loads(path.read_text())
+    except ValueError as error:
+        parser.error(f"{which}: {path} is not readable JSON ({error})")
 
 
 def settings_difference(original: dict, replicate: dict) -> str | None:
