@@ -53,8 +53,9 @@ def test_each_point_gets_its_best_rate_and_the_verdicts_compare_points_at_it(tmp
     assert depth[0]["status"] == "reproduced" and depth[0]["effect"] == pytest.approx(
         lr_grid.compare(lr_grid.read_grid([base]), "L12-pre@0.001", "L24-pre@0.001", "", ("a", "b")).effect - 0.3)
     tuning = summary["verdicts"]["tuning"]
-    assert [v["claim"] for v in tuning] == ["Pre-LN at L=24: lr 0.0005 reaches a lower loss than lr 0.001"]
-    assert tuning[0]["status"] == "reproduced"
+    assert [(v["claim"], v["status"]) for v in tuning] == [
+        ("Pre-LN at L=12: lr 0.0005 reaches a lower loss than lr 0.001", "opposite"),
+        ("Pre-LN at L=24: lr 0.0005 reaches a lower loss than lr 0.001", "reproduced")]
     text = (tmp_path / "grid/lr_grid.md").read_text()
     assert "| Pre-LN | 24 | **" in text and "0.0005 (the grid's edge)" in text
     assert "| LNS | 12 | not trained | **" in text and "(the only rate trained)" in text
