@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 NUMBER = r"[−+-]?\d+\.\d+(?:e[-+]?\d+)?"
 INTERVAL = re.compile(rf"({NUMBER})\s*(?:nats\s*)?\[(?:95% CI\s*)?({NUMBER}),\s*({NUMBER})\]")
 DECIMAL = re.compile(rf"(?<![\w.]){NUMBER}")
-REPORT_LINK = re.compile(r"\]\((docs/[^)#]*report[^)#]*\.md)")
+REPORT_LINK = re.compile(r"\]\((docs/[^)#]*(?:report|lr_grid)[^)#]*\.md)")
 
 
 def parse(number: str) -> float:
@@ -58,7 +58,9 @@ def report_evidence(report: Path) -> tuple[list[tuple], list]:
     text = report.read_text()
     intervals = INTERVAL.findall(text)
     numbers = DECIMAL.findall(text)
-    summary = report.with_name("summary" + report.stem[len("report"):] + ".json")
+    # a study report's summary<suffix>.json; an lr grid's lr_grid.json
+    summary = report.with_suffix(".json") if report.stem == "lr_grid" else report.with_name(
+        "summary" + report.stem[len("report"):] + ".json")
 
     def walk(node):
         if isinstance(node, dict):
@@ -165,7 +167,7 @@ def study_section_paragraphs(heading: str) -> list[tuple[str, list[str]]]:
     """docs/study.md's section under `heading`: each paragraph with every report the section links to."""
     text = (REPO / "docs" / "study.md").read_text()
     section = text.split(f"\n## {heading}\n")[1].split("\n## ")[0]
-    reports = ["docs/" + link for link in re.findall(r"\]\(([^)#]*report[^)#]*\.md)", section)]
+    reports = ["docs/" + link for link in re.findall(r"\]\(([^)#]*(?:report|lr_grid)[^)#]*\.md)", section)]
     reports += re.findall(r"`(docs/[^`]*report[^`]*\.md)`", section)  # a report named in code, not linked
     return [(part, reports) for part in re.split(r"\n\s*\n|\n(?=- )", section) if DECIMAL.search(part)]
 
