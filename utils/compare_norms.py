@@ -174,10 +174,10 @@ def run_specs(args, arms: list[Arm]) -> list[RunSpec]:
     dynamics = runs.evenly_spaced_steps(s["steps"], s["dynamics_points"])
     base = ("--model_config", s["model_config"], "--dataset", "embedded", "--tokenizer", "embedded", "--packing",
             "--max_length", str(s["max_length"]), "--batch_size", str(s["batch_size"]), "--total_batch_size",
-            str(s["batch_size"]), "--lr", s.get("lr", runs.DEFAULT_LR), "--warmup_steps", str(s["warmup"]), "--num_training_steps",
-            str(s["steps"]), "--eval_every", str(dynamics[0]), "--eval_tokens", str(s["eval_tokens"]),
-            "--grad_clipping", "1.0", "--weight_decay", "0", "--optimizer", "adam", "--workers", "0",
-            "--device", args.device)
+            str(s["batch_size"]), "--lr", runs.peak_lr(s), "--warmup_steps", str(s["warmup"]),
+            "--num_training_steps", str(s["steps"]), "--eval_every", str(dynamics[0]), "--eval_tokens",
+            str(s["eval_tokens"]), "--grad_clipping", "1.0", "--weight_decay", "0", "--optimizer", "adam", "--workers",
+            "0", "--device", args.device)
     specs = []
     for group in ("core", "precision", "norms", "rivals", "recent"):  # the core first: a partial study answers it first
         group_arms = [a for a in arms if a.group == group]
@@ -405,7 +405,7 @@ def setup_section(args, records, fp32_label: str) -> str:
 - **Data**: the embedded Jane Austen corpus (five novels to train, *Persuasion* held out), packed into windows of
   {s['max_length']} tokens. {s['steps']} updates × {s['batch_size']} × {s['max_length']} = {tokens / 1e6:.2f} M tokens
   per run = {epochs:.2f} epochs over the {train_tokens:,}-token training split.
-- **Training**: Adam, lr {s.get('lr', runs.DEFAULT_LR)}, {s['warmup']} warmup steps then cosine to 10%, grad clipping 1.0, no weight decay;
+- **Training**: Adam, lr {runs.peak_lr(s)}, {s['warmup']} warmup steps then cosine to 10%, grad clipping 1.0, no weight decay;
   {fp32_label}{' unless the arm says pure bf16' if 'precision' in s['groups'] else ''}. {study_dtype_reason(args.dtype)}
   {seeds_sentence(s, fp32_label)}: a seed fixes the init and the data order, identical across arms.
 - **Evaluation**: token-weighted cross-entropy over {s['eval_tokens']:,} held-out tokens, every {steps_info[0]} steps.

@@ -343,7 +343,8 @@ def one_seed_text(axis: Axis, slopes: list[dict]) -> str:
         reading = "the paper's way" if slope * direction > 0 else "against" if slope else "flat"
         return f"{slope:+.4g} ({reading})"
 
-    rows = [f"| measure | seed | {axis.symbol} | slope of the gap | slope of ln(LNS / Pre-LN) |", "|---|---|---|---|---|"]
+    rows = [f"| measure | seed | {axis.symbol} | slope of the gap | slope of ln(LNS / Pre-LN) |",
+            "|---|---|---|---|---|"]
     rows += [f"| {measures.MEASURES[s['measure']]} | {s['seed']} | {', '.join(map(str, s['values']))} | "
              f"{way(s['gap_slope'], s['expected_direction'])} | {way(s['ratio_slope'], s['expected_direction'])} |"
              for s in slopes]

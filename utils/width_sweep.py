@@ -273,7 +273,7 @@ def setup_section(args, records, run_minutes: dict[int, list[float]], speeds: di
 {chr(10).join('  ' + row for row in config_rows.splitlines())}
 - **Budget**: the depth sweep's. {s['steps']} updates × {s['batch_size']} × {s['max_length']} packed tokens =
   {tokens / 1e6:.2f} M tokens per run at every width, {tokens / train_tokens:.2f} epochs over the {train_tokens:,}-token
-  training split; Adam, **one learning rate, {s.get('lr', runs.DEFAULT_LR)}, at every width** (no µP-style per-width rate: a wider model may
+  training split; Adam, **one learning rate, {runs.peak_lr(s)}, at every width** (no µP-style per-width rate: a wider model may
   be further from its best rate, which the report does not correct for), {s['warmup']} warmup steps then cosine to
   10%, clipping 1.0, {cli.DTYPE_LABELS[args.dtype]} (`--dtype {args.dtype}`), {'compiled' if args.compile else 'eager'}.
 - **Instruments** at steps {', '.join(map(str, runs.evenly_spaced_steps(s['steps'], s['dynamics_points'])))}, inside

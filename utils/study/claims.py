@@ -44,10 +44,11 @@ def documents_note(verdict: verdicts.Verdict, what: str) -> verdicts.Verdict:
     return verdict
 
 
-def loss_verdict(records, a: str, b: str, claim: str, labels: tuple[str, str], direction: int = -1
+def loss_verdict(records, a: str, b: str, claim: str, labels: tuple[str, str], direction: int = -1,
+                 documents_what: str = "the held-out novel's loss (nats/word, not the trainer's eval loss)"
                  ) -> verdicts.Verdict:
-    """b's eval loss against a's, paired by seed; with one shared seed, the held-out loss per document instead.
-    `labels` name the two arms."""
+    """b's eval loss against a's, paired by seed; with one shared seed, the held-out loss per document instead
+    (`documents_what` names it in the verdict's note). `labels` name the two arms."""
     verdict = verdicts.judge_seeds(claim, direction, by_seed(records, a, "eval_loss"), by_seed(records, b, "eval_loss"),
                                    labels)
     documents = one_shared_seed_documents(records, a, b) if verdict.status == verdicts.NOT_MEASURABLE else None
@@ -55,7 +56,7 @@ def loss_verdict(records, a: str, b: str, claim: str, labels: tuple[str, str], d
         return verdict
     return documents_note(verdicts.judge_documents(claim, direction, documents[0]["heldout_nats"],
                                                    documents[1]["heldout_nats"]),
-                          "the held-out novel's loss (nats/word, not the trainer's eval loss)")
+                          documents_what)
 
 
 def pair_verdicts(records, pre: str, lns: str, labels: tuple[str, str]) -> list[verdicts.Verdict]:

@@ -7,11 +7,12 @@ import time
 from pathlib import Path
 
 from utils.study.host import bf16_instructions
-from utils.study.runs import DEFAULT_DATASET, DEFAULT_LR, REPO
+from utils.study.runs import DEFAULT_DATASET, REPO, peak_lr
 
 DTYPE_LABELS = {"float32": "float32", "mixed": "mixed precision"}  # the studies' --dtype, as reports name it
 
 DEVICES = ("cpu", "cuda")  # the studies' --device
+
 
 def add_study_arguments(parser: argparse.ArgumentParser, budgets: dict,
                         budget_help: str = "named budget (see above)") -> None:
@@ -57,7 +58,7 @@ def resolve_study_args(parser: argparse.ArgumentParser, args, budgets: dict) -> 
         args.budget = "quick"
     args.settings = {**budgets["default"], **budgets[args.budget]}
     rate = ""  # the folder suffix of a rate other than the budget's
-    if args.lr is not None and args.lr != float(args.settings.get("lr", DEFAULT_LR)):
+    if args.lr is not None and args.lr != float(peak_lr(args.settings)):
         args.settings["lr"] = f"{args.lr:g}"
         rate = f"_lr{args.settings['lr']}"
     if args.jobs < 1:

@@ -22,6 +22,7 @@ import argparse
 import json
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -122,13 +123,8 @@ def best_rates(table) -> dict[str, dict[int, float]]:
 
 def compare(grid: dict[str, dict], a: str, b: str, claim: str, labels: tuple[str, str]) -> verdicts.Verdict:
     """b's loss below a's: the eval loss paired by seed, or with one shared seed the held-out documents' loss."""
-    verdict = verdicts.judge_seeds(claim, -1, by_seed(grid, a, "eval_loss"), by_seed(grid, b, "eval_loss"), labels)
-    documents = claims.one_shared_seed_documents(grid, a, b) if verdict.status == verdicts.NOT_MEASURABLE else None
-    if documents is None:
-        return verdict
-    return claims.documents_note(verdicts.judge_documents(claim, -1, documents[0]["heldout_nats"],
-                                                          documents[1]["heldout_nats"]),
-                                 "the loss per word (nats; not the trainer's eval loss)")
+    return claims.loss_verdict(grid, a, b, claim, labels,
+                               documents_what="the loss per word (nats; not the trainer's eval loss)")
 
 
 def grid_verdicts(grid, table, best) -> dict[str, list[verdicts.Verdict]]:
@@ -160,11 +156,7 @@ def grid_verdicts(grid, table, best) -> dict[str, list[verdicts.Verdict]]:
 
 def reference_rate(table) -> float:
     """The rate most points trained at (the budget's); the smallest of a tie."""
-    counts = {}
-    for depths in table.values():
-        for rates in depths.values():
-            for rate in rates:
-                counts[rate] = counts.get(rate, 0) + 1
+    counts = Counter(rate for depths in table.values() for rates in depths.values() for rate in rates)
     return min(counts, key=lambda rate: (-counts[rate], rate))
 
 

@@ -38,6 +38,11 @@ DEFAULT_DATASET = "embedded"  # a budget's "dataset": embedded (in data/) or wik
 # out, so that their committed summaries, which list the settings, stay as they were.
 DEFAULT_LR = "1e-3"
 
+
+def peak_lr(settings: dict) -> str:
+    """A study's peak learning rate: its budget's (or --lr's), else DEFAULT_LR."""
+    return settings.get("lr", DEFAULT_LR)
+
 # checkpoints of a run that keep their training state: older ones keep only the weights the analyses read (a third)
 RESUMABLE_CHECKPOINTS = 1
 

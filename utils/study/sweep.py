@@ -12,7 +12,7 @@ import numpy as np
 from utils.study import verdicts
 from utils.study.measures import MEASURES, by_seed, measures_in
 from utils.study.plots import finish_grid, pyplot
-from utils.study.runs import DEFAULT_LR, REPO, dataset_flags
+from utils.study.runs import REPO, dataset_flags, peak_lr
 
 NORMS = {"pre": "Pre-LN", "lns": "LNS"}
 # Fixes published since the paper (issue 39), trained at a budget's rival_depths only (`--budget rivals`)
@@ -59,7 +59,7 @@ def train_flags(args, config: str, steps: int, warmup: int, eval_every: int) -> 
     s = args.settings
     return ("--model_config", config, *dataset_flags(s),
             "--packing", "--max_length", str(s["max_length"]), "--batch_size", str(s["batch_size"]),
-            "--total_batch_size", str(s["batch_size"]), "--lr", s.get("lr", DEFAULT_LR), "--warmup_steps", str(warmup),
+            "--total_batch_size", str(s["batch_size"]), "--lr", peak_lr(s), "--warmup_steps", str(warmup),
             "--num_training_steps", str(steps), "--eval_every", str(eval_every), "--eval_tokens",
             str(s["eval_tokens"]), "--grad_clipping", "1.0", "--weight_decay", "0", "--optimizer", "adam",
             "--workers", "0", "--device", args.device, "--dtype", "float32")
