@@ -62,6 +62,28 @@ def test_each_point_gets_its_best_rate_and_the_verdicts_compare_points_at_it(tmp
     assert (tmp_path / "grid/lr_grid.png").stat().st_size > 0
 
 
+def test_a_rate_tried_at_one_point_only_cannot_decide_a_verdict(tmp_path):
+    """L12 trained at 2e-3 too (much better there), L24 only at 1e-3: depth is judged at 1e-3 for both; LNS against
+    Pre-LN at L12, where both arms trained both rates, at 2e-3. A pair sharing no rate is not judged."""
+    base = write_folder(tmp_path / "base", {n: committed(n) for n in ("L12-pre-seed1", "L24-pre-seed1",
+                                                                       "L12-lns-seed1")})
+    high = write_folder(tmp_path / "high", {"L12-pre-seed1": at_rate(committed("L12-pre-seed1"), "0.002", -0.3),
+                                            "L12-lns-seed1": at_rate(committed("L12-lns-seed1"), "0.002", -0.2)})
+    summary = lr_grid.write([base, high], tmp_path / "grid", [])
+    assert summary["best_rate"] == {"pre": {"12": 0.002, "24": 0.001}, "lns": {"12": 0.002}}
+    (depth,) = summary["verdicts"]["depth"]
+    assert depth["claim"] == ("Pre-LN at its best rates: L=24 (lr 0.001) reaches a lower loss than L=12 (lr 0.001) "
+                              "(of the rates both trained: 0.001)")
+    at_one_rate = lr_grid.compare(lr_grid.read_grid([base]), "L12-pre@0.001", "L24-pre@0.001", "", ("a", "b"))
+    assert depth["effect"] == pytest.approx(at_one_rate.effect)
+    (versus,) = summary["verdicts"]["lns_vs_pre"]
+    assert versus["claim"] == "L=12, each at its best rate: LNS (lr 0.002) reaches a lower loss than Pre-LN (lr 0.002)"
+
+    apart = write_folder(tmp_path / "apart", {"L24-pre-seed1": at_rate(committed("L24-pre-seed1"), "0.0005", 0.0)})
+    only_base = write_folder(tmp_path / "only", {"L12-pre-seed1": committed("L12-pre-seed1")})
+    assert lr_grid.write([only_base, apart], tmp_path / "grid2", [])["verdicts"]["depth"] == []
+
+
 def test_with_two_seeds_a_point_is_judged_over_seeds(tmp_path):
     pre = committed("L12-pre-seed1")
     base = write_folder(tmp_path / "base", {"L12-pre-seed1": pre, "L12-pre-seed2": at_rate(pre, "1e-3", 0.02, 2),

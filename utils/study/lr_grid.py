@@ -1,5 +1,5 @@
 """A depth sweep's learning-rate grid: at each depth and arm, the eval loss at every rate trained, the best rate, and
-the depth and LNS verdicts again with each point at its own best rate.
+the depth and LNS verdicts again with each point at its best rate.
 
 One rate for every depth can favour the shallow models (a deeper Pre-LN stack may want a smaller rate) or one arm
 (LNS shrinks what each block adds, which can act like a smaller rate). A grid answers both: it is a depth sweep
@@ -13,8 +13,9 @@ analysed with the same settings. A point's best rate is the one with the lowest 
 the verdicts then compare points at their best rates on the held-out loss, paired by seed, or with one shared seed
 on the held-out documents of the removal analysis. The documents are validation articles, as are the eval tokens
 that chose the rates, so an interval at the best rates is somewhat optimistic. A best rate at the edge of the rates
-a point trained may lie beyond the grid; the table marks it. Writes lr_grid.md, .json and .png in --out (default:
-the first folder's name with _lr_grid).
+a point trained may lie beyond the grid; the table marks it. Two points are compared each at its best of the rates
+both trained, so a rate tried at one point only (a wider search there) cannot decide a verdict. Writes lr_grid.md,
+.json and .png in --out (default: the first folder's name with _lr_grid).
 """
 from __future__ import annotations
 
@@ -109,16 +110,29 @@ def mean_loss(per_seed: dict[int, float | None]) -> float | None:
     return float(np.mean(values)) if values else None
 
 
+def best_of(rates: dict[float, dict[int, float | None]], allowed) -> float | None:
+    """The rate, of those in `allowed`, with the lowest mean eval loss; None when none of them finished."""
+    means = {rate: mean_loss(per_seed) for rate, per_seed in rates.items() if rate in allowed}
+    means = {rate: m for rate, m in means.items() if m is not None}
+    return min(means, key=means.get) if means else None
+
+
 def best_rates(table) -> dict[str, dict[int, float]]:
     """{norm: {depth: the rate of the lowest mean eval loss}} over the points with a finished run."""
     best = {}
     for norm, depths in table.items():
         for depth, rates in depths.items():
-            means = {rate: mean_loss(per_seed) for rate, per_seed in rates.items()}
-            means = {rate: m for rate, m in means.items() if m is not None}
-            if means:
-                best.setdefault(norm, {})[depth] = min(means, key=means.get)
+            if (chosen := best_of(rates, rates)) is not None:
+                best.setdefault(norm, {})[depth] = chosen
     return best
+
+
+def best_shared_rates(rates_a: dict, rates_b: dict) -> tuple[float, float, list[float]] | None:
+    """Each point's best of the rates both trained, and those rates: a point is not favoured by a rate the other
+    never tried. None when they share no rate at which both finished."""
+    shared = sorted(set(rates_a) & set(rates_b))
+    a, b = best_of(rates_a, shared), best_of(rates_b, shared)
+    return None if a is None or b is None else (a, b, shared)
 
 
 def compare(grid: dict[str, dict], a: str, b: str, claim: str, labels: tuple[str, str]) -> verdicts.Verdict:
@@ -127,22 +141,38 @@ def compare(grid: dict[str, dict], a: str, b: str, claim: str, labels: tuple[str
                                documents_what="the loss per word (nats; not the trainer's eval loss)")
 
 
-def grid_verdicts(grid, table, best) -> dict[str, list[verdicts.Verdict]]:
-    """At the best rates: each arm between consecutive depths and LNS against Pre-LN at each depth; and at each
-    point, every other rate it trained against the reference rate (the most common one, the budget's)."""
+def shared_note(rates_a: dict, rates_b: dict, shared: list[float]) -> str:
+    """Empty when both points trained the same rates; otherwise the rates their best was chosen from."""
+    if set(rates_a) == set(rates_b):
+        return ""
+    return " (of the rates both trained: " + ", ".join(f"{rate:g}" for rate in shared) + ")"
+
+
+def grid_verdicts(grid, table) -> dict[str, list[verdicts.Verdict]]:
+    """Each point at its best of the rates it shares with the other: each arm between consecutive depths and LNS
+    against Pre-LN at each depth; and at each point, every other rate it trained against the reference rate (the
+    most common one, the budget's)."""
     found = {"depth": [], "lns_vs_pre": [], "tuning": []}
     for norm, label in NORMS.items():
-        depths = sorted(best.get(norm, {}))
+        depths = sorted(table.get(norm, {}))
         for shallow, deep in zip(depths, depths[1:]):
-            a, b = point_name(shallow, norm, best[norm][shallow]), point_name(deep, norm, best[norm][deep])
-            found["depth"].append(compare(grid, a, b, f"{label} at its best rates: L={deep} (lr {best[norm][deep]:g}) "
-                                          f"reaches a lower loss than L={shallow} (lr {best[norm][shallow]:g})",
-                                          (a, b)))
-    for depth in sorted(set(best.get("pre", {})) & set(best.get("lns", {}))):
-        a, b = point_name(depth, "pre", best["pre"][depth]), point_name(depth, "lns", best["lns"][depth])
+            rates_a, rates_b = table[norm][shallow], table[norm][deep]
+            if (chosen := best_shared_rates(rates_a, rates_b)) is None:
+                continue
+            rate_a, rate_b, shared = chosen
+            a, b = point_name(shallow, norm, rate_a), point_name(deep, norm, rate_b)
+            found["depth"].append(compare(grid, a, b, f"{label} at its best rates: L={deep} (lr {rate_b:g}) reaches "
+                                          f"a lower loss than L={shallow} (lr {rate_a:g})"
+                                          + shared_note(rates_a, rates_b, shared), (a, b)))
+    for depth in sorted(set(table.get("pre", {})) & set(table.get("lns", {}))):
+        rates_a, rates_b = table["pre"][depth], table["lns"][depth]
+        if (chosen := best_shared_rates(rates_a, rates_b)) is None:
+            continue
+        rate_a, rate_b, shared = chosen
+        a, b = point_name(depth, "pre", rate_a), point_name(depth, "lns", rate_b)
         found["lns_vs_pre"].append(compare(
-            grid, a, b, f"L={depth}, each at its best rate: LNS (lr {best['lns'][depth]:g}) reaches a lower loss "
-                        f"than Pre-LN (lr {best['pre'][depth]:g})", (a, b)))
+            grid, a, b, f"L={depth}, each at its best rate: LNS (lr {rate_b:g}) reaches a lower loss than Pre-LN "
+                        f"(lr {rate_a:g})" + shared_note(rates_a, rates_b, shared), (a, b)))
     reference = reference_rate(table)
     for norm, depths in table.items():
         for depth, rates in depths.items():
@@ -216,7 +246,7 @@ def write(folders: list[Path], out: Path, argv: list[str]) -> dict:
     grid = read_grid(folders)
     table = points(grid)
     best = best_rates(table)
-    found = grid_verdicts(grid, table, best)
+    found = grid_verdicts(grid, table)
     out.mkdir(parents=True, exist_ok=True)
     plot(table, out / "lr_grid.png")
     sections = {"depth": "## Does depth pay once each depth has its best rate?",
@@ -226,9 +256,9 @@ def write(folders: list[Path], out: Path, argv: list[str]) -> dict:
             f"Generated by `python -m utils.study.lr_grid {' '.join(argv)}` from {len(grid)} run records in "
             + ", ".join(f"`{folder}`" for folder in folders) + ".", "",
             "Eval loss (nats/token) at the last update, per arm, depth and peak learning rate; the lowest of each "
-            "row in bold. A point's best rate is chosen on this loss; the verdicts below compare points at their "
-            "best rates (the choice and the test read overlapping validation text, so their intervals are somewhat "
-            "optimistic).", "", table_text(table, best), "", "![eval loss against depth at each rate](lr_grid.png)"]
+            "row in bold. A point's best rate is chosen on this loss. The verdicts below compare two points each at "
+            "its best of the rates both trained, so that neither gains from a rate the other never tried (the choice "
+            "and the test read overlapping validation text, so their intervals are somewhat optimistic).", "", table_text(table, best), "", "![eval loss against depth at each rate](lr_grid.png)"]
     for key, heading in sections.items():
         text += ["", heading, ""]
         text += [f"- {v.line()}" for v in found[key]] or ["Nothing to compare yet."]
