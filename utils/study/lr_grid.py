@@ -258,7 +258,8 @@ def write(folders: list[Path], out: Path, argv: list[str]) -> dict:
             "Eval loss (nats/token) at the last update, per arm, depth and peak learning rate; the lowest of each "
             "row in bold. A point's best rate is chosen on this loss. The verdicts below compare two points each at "
             "its best of the rates both trained, so that neither gains from a rate the other never tried (the choice "
-            "and the test read overlapping validation text, so their intervals are somewhat optimistic).", "", table_text(table, best), "", "![eval loss against depth at each rate](lr_grid.png)"]
+            "and the test read overlapping validation text, so their intervals are somewhat optimistic).", "",
+            table_text(table, best), "", "![eval loss against depth at each rate](lr_grid.png)"]
     for key, heading in sections.items():
         text += ["", heading, ""]
         text += [f"- {v.line()}" for v in found[key]] or ["Nothing to compare yet."]
