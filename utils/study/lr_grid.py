@@ -127,25 +127,25 @@ def best_rates(table) -> dict[str, dict[int, float]]:
     return best
 
 
-def best_shared_rates(rates_a: dict, rates_b: dict) -> tuple[float, float, list[float]] | None:
-    """Each point's best of the rates both trained, and those rates: a point is not favoured by a rate the other
-    never tried. None when they share no rate at which both finished."""
+def at_shared_best(table, point_a: tuple[str, int], point_b: tuple[str, int]) -> tuple | None:
+    """Two (norm, depth) points, each at its best of the rates both trained, so that neither is favoured by a rate
+    the other never tried: (grid name of a, of b, rate of a, rate of b, a note naming the shared rates when the two
+    grids differ). None when they share no rate at which both finished."""
+    (norm_a, depth_a), (norm_b, depth_b) = point_a, point_b
+    rates_a, rates_b = table[norm_a][depth_a], table[norm_b][depth_b]
     shared = sorted(set(rates_a) & set(rates_b))
-    a, b = best_of(rates_a, shared), best_of(rates_b, shared)
-    return None if a is None or b is None else (a, b, shared)
+    rate_a, rate_b = best_of(rates_a, shared), best_of(rates_b, shared)
+    if rate_a is None or rate_b is None:
+        return None
+    note = "" if set(rates_a) == set(rates_b) else (
+        " (of the rates both trained: " + ", ".join(f"{rate:g}" for rate in shared) + ")")
+    return point_name(depth_a, norm_a, rate_a), point_name(depth_b, norm_b, rate_b), rate_a, rate_b, note
 
 
 def compare(grid: dict[str, dict], a: str, b: str, claim: str, labels: tuple[str, str]) -> verdicts.Verdict:
     """b's loss below a's: the eval loss paired by seed, or with one shared seed the held-out documents' loss."""
     return claims.loss_verdict(grid, a, b, claim, labels,
                                documents_what="the loss per word (nats; not the trainer's eval loss)")
-
-
-def shared_note(rates_a: dict, rates_b: dict, shared: list[float]) -> str:
-    """Empty when both points trained the same rates; otherwise the rates their best was chosen from."""
-    if set(rates_a) == set(rates_b):
-        return ""
-    return " (of the rates both trained: " + ", ".join(f"{rate:g}" for rate in shared) + ")"
 
 
 def grid_verdicts(grid, table) -> dict[str, list[verdicts.Verdict]]:
@@ -156,23 +156,15 @@ def grid_verdicts(grid, table) -> dict[str, list[verdicts.Verdict]]:
     for norm, label in NORMS.items():
         depths = sorted(table.get(norm, {}))
         for shallow, deep in zip(depths, depths[1:]):
-            rates_a, rates_b = table[norm][shallow], table[norm][deep]
-            if (chosen := best_shared_rates(rates_a, rates_b)) is None:
-                continue
-            rate_a, rate_b, shared = chosen
-            a, b = point_name(shallow, norm, rate_a), point_name(deep, norm, rate_b)
-            found["depth"].append(compare(grid, a, b, f"{label} at its best rates: L={deep} (lr {rate_b:g}) reaches "
-                                          f"a lower loss than L={shallow} (lr {rate_a:g})"
-                                          + shared_note(rates_a, rates_b, shared), (a, b)))
+            if chosen := at_shared_best(table, (norm, shallow), (norm, deep)):
+                a, b, rate_a, rate_b, note = chosen
+                found["depth"].append(compare(grid, a, b, f"{label} at its best rates: L={deep} (lr {rate_b:g}) "
+                                              f"reaches a lower loss than L={shallow} (lr {rate_a:g}){note}", (a, b)))
     for depth in sorted(set(table.get("pre", {})) & set(table.get("lns", {}))):
-        rates_a, rates_b = table["pre"][depth], table["lns"][depth]
-        if (chosen := best_shared_rates(rates_a, rates_b)) is None:
-            continue
-        rate_a, rate_b, shared = chosen
-        a, b = point_name(depth, "pre", rate_a), point_name(depth, "lns", rate_b)
-        found["lns_vs_pre"].append(compare(
-            grid, a, b, f"L={depth}, each at its best rate: LNS (lr {rate_b:g}) reaches a lower loss than Pre-LN "
-                        f"(lr {rate_a:g})" + shared_note(rates_a, rates_b, shared), (a, b)))
+        if chosen := at_shared_best(table, ("pre", depth), ("lns", depth)):
+            a, b, rate_a, rate_b, note = chosen
+            found["lns_vs_pre"].append(compare(grid, a, b, f"L={depth}, each at its best rate: LNS (lr {rate_b:g}) "
+                                               f"reaches a lower loss than Pre-LN (lr {rate_a:g}){note}", (a, b)))
     reference = reference_rate(table)
     for norm, depths in table.items():
         for depth, rates in depths.items():
