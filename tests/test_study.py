@@ -346,11 +346,14 @@ def test_a_probe_that_did_not_finish_measures_no_overfitting_point(tmp_path):
         assert summary["status"] == "diverged" and "best_step" not in summary
 
 
-def test_depth_sweep_bad_input_is_one_line(capsys):
+@pytest.mark.parametrize("argv, flag", [(["--depths", "4"], "--depths"),
+                                        (["--depths", "4", "8", "--first_depths", "6"], "--first_depths")])
+def test_depth_sweep_bad_input_is_one_line(argv, flag, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        depth_sweep.parse_args(["--depths", "4"])
+        depth_sweep.parse_args(argv)
     assert exit_info.value.code == 2
-    assert "--depths" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert flag in err and err.count("\n") == 1
 
 
 @pytest.mark.e2e

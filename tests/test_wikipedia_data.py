@@ -156,6 +156,13 @@ def test_depth_sweep_wikipedia_runs_and_analyses_read_the_corpus(corpus, tmp_pat
     order = [(spec.arm.split("-")[0], spec.seed) for spec in specs if spec.arm.endswith("-pre")]
     assert order == [(f"L{d}", seed) for seed in (1, 2, 3) for d in (12, 24)] + \
         [(f"L{d}", seed) for seed in (1, 2, 3) for d in (6, 48)]
+    # --first_depths reorders the training (one depth per session) and leaves the settings a summary records alone
+    reordered = depth_sweep.parse_args(["--budget", "wikipedia", "--dtype", "float32", "--no-compile",
+                                        "--runs_dir", str(tmp_path / "runs"), "--depths", "6", "12", "24",
+                                        "--first_depths", "6"])
+    assert [(spec.arm, spec.seed) for spec in depth_sweep.run_specs(reordered)][:6:2] == \
+        [("L6-pre", 1), ("L6-pre", 2), ("L6-pre", 3)]
+    assert reordered.settings["first_depths"] == s["first_depths"] == (12, 24)
     for spec in specs:
         flags = spec.flags()
         assert flags[flags.index("--dataset") + 1] == "wikipedia" == flags[flags.index("--tokenizer") + 1]

@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_study_arguments(parser, BUDGETS)
     parser.add_argument("--depths", nargs="+", type=int, default=None, help="override the budget's depths")
+    parser.add_argument("--first_depths", nargs="+", type=int, default=None,
+                        help="train every seed of these depths before the others' (default: the budget's order, "
+                             "wikipedia: 12 24). With --max_hours, a session trains one depth while the report "
+                             "still covers --depths. The order changes no record or report")
     parser.add_argument("--overfit_probe", action="store_true",
                         help="also train the overfitting probe (one long LNS run at the deepest depth; about 80 "
                              "minutes at L=48); without it the report uses the probe's record when there is one")
@@ -115,6 +119,8 @@ def parse_args(argv=None):
         parser.error(f"--depths: every depth must be at least 2, got {args.settings['depths']}")
     if len(set(args.settings["depths"])) < 2:
         parser.error("--depths: give at least two different depths (the verdicts are slopes against depth)")
+    if args.first_depths and not set(args.first_depths) <= set(args.settings["depths"]):
+        parser.error(f"--first_depths: {args.first_depths} are not all among the depths {list(args.settings['depths'])}")
     return args
 
 
@@ -134,7 +140,7 @@ def run_specs(args) -> list[RunSpec]:
     dynamics = runs.evenly_spaced_steps(s["steps"], s["dynamics_points"])
     rival_depths = [depth for depth in s.get("rival_depths", ()) if depth in s["depths"]]
     specs = []
-    first = s.get("first_depths", ())
+    first = args.first_depths or s.get("first_depths", ())  # kept out of the settings: a summary records what ran
     for norms, depths in ((NORMS, s["depths"]), (s.get("rival_norms", ()), rival_depths)):  # Pre-LN and LNS first
         # Every seed of the first depths before any other depth (a sweep that may end early has its seeds where
         # they answer its question), then seed by seed; the order is stable within each.
