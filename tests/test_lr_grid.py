@@ -98,6 +98,22 @@ def test_with_two_seeds_a_point_is_judged_over_seeds(tmp_path):
     assert "2 seeds)" in (tmp_path / "grid/lr_grid.md").read_text()
 
 
+def test_each_rate_is_judged_against_its_neighbour_nearer_the_reference(tmp_path):
+    """1e-3 is the reference (two points trained it). At L12, 4e-3 is judged against 2e-3 and 5e-4 against 1e-3: a
+    step out that stops paying shows even where it still beats the reference."""
+    pre = committed("L12-pre-seed1")
+    base = write_folder(tmp_path / "base", {"L12-pre-seed1": pre, "L24-pre-seed1": committed("L24-pre-seed1")})
+    folders = [base] + [write_folder(tmp_path / rate, {"L12-pre-seed1": at_rate(pre, rate, shift)})
+                        for rate, shift in (("0.0005", +0.1), ("0.002", -0.3), ("0.004", -0.2))]
+    tuning = lr_grid.write(folders, tmp_path / "grid", [])["verdicts"]["tuning"]
+    assert [(v["claim"], v["status"]) for v in tuning] == [
+        ("Pre-LN at L=12: lr 0.0005 reaches a lower loss than lr 0.001", "opposite"),
+        ("Pre-LN at L=12: lr 0.002 reaches a lower loss than lr 0.001", "reproduced"),
+        ("Pre-LN at L=12: lr 0.004 reaches a lower loss than lr 0.002", "opposite")]
+    assert tuning[2]["effect"] == pytest.approx(0.1, abs=1e-9)
+    assert lr_grid.steps_outward([0.004], 0.001) == []
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda r: r["flags"].__setitem__(r["flags"].index("--max_length") + 1, "256"), "not one budget's grid"),
     (lambda r: r["analysis_settings"].__setitem__("removal_documents", 4), "not one budget's grid"),
