@@ -58,14 +58,23 @@ def test_a_diverged_seed_is_dropped_not_shifted():
     verdict = judge_seeds("LNS lowers the loss", -1, pre, lns)
     assert verdict.status == NOT_MEASURABLE and verdict.effect is None
     three = judge_seeds("LNS lowers the loss", -1, {0: 3.0, 1: float("inf"), 2: 3.2, 3: 3.1},
-                        {0: 2.9, 1: 2.5, 2: 3.1, 3: 3.0})
-    assert three.n_pairs == 3 and three.effect == pytest.approx(-0.1)
+                        {0: 2.9, 1: 2.5, 2: 3.1, 3: 2.95})
+    assert three.n_pairs == 3 and three.effect == pytest.approx(-0.35 / 3)
 
 
 def test_everything_diverged_is_not_measurable():
     verdict = judge_seeds("claim", 1, {0: None, 1: None}, {0: None, 1: float("nan")})
     assert verdict.status == NOT_MEASURABLE and verdict.n_pairs == 0
     assert "NOT MEASURABLE" in verdict.line()
+
+
+def test_equal_differences_are_not_measurable_not_certain():
+    # two seeds whose discrete measure moves by the same step: a t interval of zero width must not read as reproduced
+    verdict = judge_seeds("more layers are cheap to remove", 1, {1: 0.0, 2: 0.0}, {1: 0.125, 2: 0.125})
+    assert verdict.status == NOT_MEASURABLE and verdict.effect is None and verdict.n_agree == 2
+    assert "+0.125" in verdict.line() and "no width" in verdict.line()
+    spread = judge_seeds("more layers are cheap to remove", 1, {1: 0.0, 2: 0.0}, {1: 0.125, 2: 0.1251})
+    assert spread.status == REPRODUCED and spread.low > 0
 
 
 def test_effect_inside_the_noise():

@@ -137,11 +137,12 @@ def test_width_sweep_device_cuda_without_cuda_from_the_command_line(tmp_path):
 
 def crafted_records(identity_gap: dict[int, float], widths=(64, 128, 256), seeds=(1, 2, 3)) -> dict:
     """Finished runs whose deep ‖J − I‖/√d is 0.1 for Pre-LN and 0.1 + identity_gap[width] (+ a little seed
-    noise) for LNS; every other measure crafted alike."""
+    noise, growing with the width so that the seeds' slopes differ too) for LNS; every other measure crafted alike."""
     records = {}
     for width in widths:
         for seed in seeds:
-            for norm, deep in (("pre", 0.1), ("lns", 0.1 + identity_gap[width] + 0.001 * (seed - 2) ** 2)):
+            noise = 0.001 * (seed - 2) ** 2 * width / 64
+            for norm, deep in (("pre", 0.1), ("lns", 0.1 + identity_gap[width] + noise)):
                 analysis = dict(variance=[1.0 + k for k in range(9)], angular_next=[0.1] * 8,
                                 jacobian_rel_identity_dev=[0.5] * 4 + [deep] * 4, removal_nats=[0.01] * 8,
                                 norm_gains=dict(per_layer=[1.0] * 8, final=1.0, max_abs_dev_from_one=0.0))

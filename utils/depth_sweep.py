@@ -323,9 +323,9 @@ def comparative_verdicts(axis: Axis, records) -> list[Comparison]:
 
 
 def one_seed_slopes(axis: Axis, records, comparisons: list[Comparison]) -> list[dict]:
-    """When no comparison is measurable over seeds (a pilot): per measure and seed, that seed's own slopes of the gap
+    """When no comparison has two seeds (a pilot): per measure and seed, that seed's own slopes of the gap
     and of the log ratio against ln of the swept value, over the values it has. No interval: a sign at one seed."""
-    if any(verdicts.NOT_MEASURABLE not in (c.gap.status, c.ratio.status) for c in comparisons):
+    if any(c.gap.n_pairs >= 2 or c.ratio.n_pairs >= 2 for c in comparisons):
         return []
     found = []
     for c in comparisons:
@@ -440,7 +440,7 @@ def regime(axis: Axis, records, heldout: str) -> tuple[str, dict]:
                   v.status if v.effect is None else f"{v.effect:+.3f} [{v.low:+.3f}, {v.high:+.3f}]: {v.status}"]
         rows.append("| " + " | ".join(cells) + " |")
     helps = {norm: v.status for norm, v in slopes.items()}
-    unjudged = all(status == verdicts.NOT_MEASURABLE for status in helps.values())
+    unjudged = all(v.n_pairs < 2 for v in slopes.values())
     if all(status == verdicts.REPRODUCED for status in helps.values()):
         words = ("**Depth pays here**: adding layers lowers both arms' eval loss, the regime of the paper's models.")
     elif all(status == verdicts.OPPOSITE for status in helps.values()):

@@ -18,7 +18,8 @@ Statuses:
 - ``reproduced``: the interval excludes 0 on the side the paper predicts;
 - ``opposite``: the interval excludes 0 on the other side;
 - ``inside noise``: the interval contains 0;
-- ``not measurable``: fewer than 2 pairs (everything diverged, or the arms share fewer than 2 seeds);
+- ``not measurable``: fewer than 2 pairs (everything diverged, or the arms share fewer than 2 seeds), or paired
+  differences that are all equal (a discrete measure such as k / L), whose t interval would have no width;
 - ``not reproduced``: only from ``judge_layer_removal`` (and its per-document twin), when removing a deep layer helps
   both models (see there).
 
@@ -224,6 +225,12 @@ def judge_seeds(claim: str, expected_direction: int, a: Mapping[Hashable, float 
         return Verdict(claim, expected_direction, None, None, None, len(pairing.seeds), NOT_MEASURABLE, reason,
                        scale=scale, dropped=pairing.dropped)
     differences = _differences(pairing.a, pairing.b, log_ratio)
+    if np.ptp(differences) <= 1e-9 * np.abs(differences).max():  # a stepped measure (k / L) can agree exactly
+        reason = (f"the {differences.size} seeds agree exactly ({differences[0]:+.4g} each), so the t interval "
+                  "has no width; a discrete measure's equal steps are not evidence beyond noise") + (
+                  f" ({dropped_note})" if dropped_note else "")
+        return Verdict(claim, expected_direction, None, None, None, len(differences), NOT_MEASURABLE, reason,
+                       int(np.sum(np.sign(differences) == expected_direction)), "seeds", scale, pairing.dropped)
     effect, low, high = paired_t_interval(differences, alpha)
     return Verdict(claim, expected_direction, effect, low, high, len(differences),
                    status_for(expected_direction, low, high), dropped_note,
