@@ -219,22 +219,22 @@ def judge_seeds(claim: str, expected_direction: int, a: Mapping[Hashable, float 
     pairing = pair_by_seed(a, b, labels, positive_only=log_ratio)
     scale = "log ratio" if log_ratio else "difference"
     dropped_note = f"dropped {pairing.dropped_text()}" if pairing.dropped else ""
+    dropped_suffix = f" ({dropped_note})" if dropped_note else ""
     if len(pairing.seeds) < 2:
         reason = (f"only {len(pairing.seeds)} seed(s) finished in both {labels[0]} and {labels[1]}; at least 2 "
-                  "paired seeds are needed") + (f" ({dropped_note})" if dropped_note else "")
+                  "paired seeds are needed") + dropped_suffix
         return Verdict(claim, expected_direction, None, None, None, len(pairing.seeds), NOT_MEASURABLE, reason,
                        scale=scale, dropped=pairing.dropped)
     differences = _differences(pairing.a, pairing.b, log_ratio)
+    n_agree = int(np.sum(np.sign(differences) == expected_direction))
     if np.ptp(differences) <= 1e-9 * np.abs(differences).max():  # a stepped measure (k / L) can agree exactly
         reason = (f"the {differences.size} seeds agree exactly ({differences[0]:+.4g} each), so the t interval "
-                  "has no width; a discrete measure's equal steps are not evidence beyond noise") + (
-                  f" ({dropped_note})" if dropped_note else "")
+                  "has no width; a discrete measure's equal steps are not evidence beyond noise") + dropped_suffix
         return Verdict(claim, expected_direction, None, None, None, len(differences), NOT_MEASURABLE, reason,
-                       int(np.sum(np.sign(differences) == expected_direction)), "seeds", scale, pairing.dropped)
+                       n_agree, "seeds", scale, pairing.dropped)
     effect, low, high = paired_t_interval(differences, alpha)
     return Verdict(claim, expected_direction, effect, low, high, len(differences),
-                   status_for(expected_direction, low, high), dropped_note,
-                   int(np.sum(np.sign(differences) == expected_direction)), "seeds", scale, pairing.dropped)
+                   status_for(expected_direction, low, high), dropped_note, n_agree, "seeds", scale, pairing.dropped)
 
 
 def judge_documents(claim: str, expected_direction: int, a: Sequence[float], b: Sequence[float],
