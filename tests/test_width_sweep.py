@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from utils import compare_norms, depth_sweep, width_sweep
-from utils.study import cli, runs, verdicts
+from utils.study import cli, runs, sweep, verdicts
 
 STUDIES = [compare_norms, depth_sweep, width_sweep]
 
@@ -175,6 +175,16 @@ def test_the_report_answers_whether_the_identity_gap_survives_width(gaps, answer
     assert width_sweep.identity_answer(axis, width_sweep.width_verdicts(axis, partial),
                                        width_sweep.gap_slope_verdicts(axis, partial)[3],
                                        width_sweep.identity_ratio_verdict(axis, partial)).startswith("Not answerable")
+
+
+def test_the_identity_answer_names_why_a_slope_over_enough_widths_is_not_measurable(tmp_path):
+    """Three widths are measured, but the seeds' slopes agree exactly: the answer says that, not "too few widths"."""
+    axis = width_sweep.width_axis(width_sweep.parse_args(["--runs_dir", str(tmp_path / "runs")]))
+    records = crafted_records({64: -0.01, 128: -0.02, 256: -0.04})
+    equal_slopes = sweep.slope_verdict("identity gap slope", +1, {1: -0.01, 2: -0.01, 3: -0.01})
+    text = width_sweep.identity_answer(axis, width_sweep.width_verdicts(axis, records), equal_slopes,
+                                       width_sweep.identity_ratio_verdict(axis, records))
+    assert text.startswith("Not answerable:") and "agree exactly" in text and "so far" not in text
 
 
 @pytest.mark.e2e

@@ -205,9 +205,11 @@ def identity_answer(axis: Axis, at_width: dict[int, list[verdicts.Verdict]], slo
     reverse? Read from the widest width's verdict and the gap's slope against ln(width)."""
     index = [measure for _, measure, _, _ in CLAIMS].index(IDENTITY)
     judged = [(w, at_width[w][index]) for w in axis.values if at_width[w][index].effect is not None]
-    if len(judged) < 2 or slope.effect is None:
+    if len(judged) < 2:
         return ("Not answerable yet: the identity gap needs at least two widths with two paired seeds each "
                 f"({len(judged)} so far).")
+    if slope.effect is None:
+        return f"Not answerable: the identity gap's slope against ln {axis.symbol} is not measurable ({slope.reason})."
     (narrow, first), (wide, last) = judged[0], judged[-1]
     if last.status == verdicts.REPRODUCED:
         answer = "**reverses**: at the widest width LNS's deep blocks are *further* from the identity than Pre-LN's"
