@@ -173,7 +173,7 @@ def study_section_paragraphs(heading: str) -> list[tuple[str, list[str]]]:
 
 
 STUDY_SECTIONS = ["What the study found", "What the rivals extension found", "What the depth sweep found",
-                  "What the width sweep found", "What the Wikipedia pilot found so far"]
+                  "What the width sweep found", "What the Wikipedia depth sweep found"]
 
 
 @pytest.mark.parametrize("heading", STUDY_SECTIONS)
