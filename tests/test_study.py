@@ -1112,6 +1112,25 @@ def test_a_retrain_that_is_not_the_same_run_is_refused_and_nothing_is_written(ch
     assert {path.name: path.read_text() for path in (tmp_path / "into").iterdir()} == before
 
 
+def test_the_regime_judges_each_step_of_depth_where_the_slope_cannot_see_the_middle():
+    """Over L = 6, 12, 24 (evenly spaced in ln L) a least-squares slope reads only the end points. Here L = 12 is
+    best for both arms: the slope is inside noise, and the steps say that depth pays from 6 to 12 and costs from 12
+    to 24, each paired by seed."""
+    axis = sweep.Axis("L", "L", "layers L", "depth", (6, 12, 24))
+    bowl = {6: 4.50, 12: 4.40, 24: 4.50}
+    records = depth_records(lambda *key: 0.1, lambda norm, depth, seed: bowl[depth] + 0.01 * SEED_NOISE[seed] * (
+        depth % 5), depths=(6, 12, 24))
+    text, summary = depth_sweep.regime(axis, records, "the held-out novel")
+    assert summary["slopes"]["pre"]["status"] == verdicts.INSIDE_NOISE
+    steps = {v["claim"]: v["status"] for v in summary["steps"]}
+    assert steps == {f"{label}: L={b} reaches a lower eval loss than L={a} (L={b} − L={a})": status
+                     for label in ("Pre-LN", "LNS")
+                     for (a, b), status in (((6, 12), verdicts.REPRODUCED), ((12, 24), verdicts.OPPOSITE))}
+    assert "Each step, paired by seed" in text and text.count("3/3 seeds") == 2
+    one_seed = {name: record for name, record in records.items() if record["seed"] == 1}
+    assert "steps" not in depth_sweep.regime(axis, one_seed, "the held-out novel")[1]
+
+
 def test_a_one_seed_sweep_judges_depth_and_the_gap_on_the_held_out_documents():
     """The Wikipedia pilot has one seed per run: the regime's slopes over seeds are not measurable, so each arm is
     judged between consecutive recorded depths, and LNS against Pre-LN at each depth, on the per-document held-out

@@ -387,6 +387,17 @@ def arm_loss_verdicts(axis: Axis, records) -> dict[str, verdicts.Verdict]:
             for norm, label in NORMS.items()}
 
 
+def step_verdicts(axis: Axis, records) -> list[verdicts.Verdict]:
+    """Per arm, each step between consecutive swept values, paired by seed: does the larger value reach a lower eval
+    loss? The slope against ln of the value weighs the end points most (with three values evenly spaced in ln, as
+    6, 12, 24, the middle one not at all), so the steps show where depth stops paying."""
+    s = axis.symbol
+    return [verdicts.judge_seeds(f"{label}: {s}={b} reaches a lower eval loss than {s}={a} ({s}={b} − {s}={a})", -1,
+                                 measures.by_seed(records, axis.arm(a, norm), "eval_loss"),
+                                 measures.by_seed(records, axis.arm(b, norm), "eval_loss"), (f"{s}={a}", f"{s}={b}"))
+            for norm, label in NORMS.items() for a, b in zip(axis.values, axis.values[1:])]
+
+
 def heldout_text(settings: dict) -> str:
     """The analyses' held-out text, in words."""
     dataset = settings.get("dataset", runs.DEFAULT_DATASET)
@@ -458,6 +469,11 @@ def regime(axis: Axis, records, heldout: str) -> tuple[str, dict]:
     summary = dict(slopes={norm: v.as_dict() for norm, v in slopes.items()}, lowest_at=lowest,
                    depth_pays={norm: status == verdicts.REPRODUCED for norm, status in helps.items()})
     text = words + "\n\n" + "\n".join([header, *rows])
+    if not unjudged:
+        steps = step_verdicts(axis, records)
+        text += ("\n\nEach step, paired by seed (eval loss; the slope weighs the end points most, so a step can "
+                 "disagree with it):\n\n" + "\n".join(f"- {v.line()}" for v in steps))
+        summary["steps"] = [v.as_dict() for v in steps]
     documents = document_verdicts(axis, records) if unjudged else []
     if documents:
         text += (f"\n\nWith one seed per run, the runs are compared on the same held-out documents ({heldout}, whole "
