@@ -469,17 +469,18 @@ def regime(axis: Axis, records, heldout: str) -> tuple[str, dict]:
     summary = dict(slopes={norm: v.as_dict() for norm, v in slopes.items()}, lowest_at=lowest,
                    depth_pays={norm: status == verdicts.REPRODUCED for norm, status in helps.items()})
     text = words + "\n\n" + "\n".join([header, *rows])
-    if not unjudged:
+    if unjudged:
+        documents = document_verdicts(axis, records)
+        if documents:
+            text += (f"\n\nWith one seed per run, the runs are compared on the same held-out documents ({heldout}, "
+                     "whole documents that every run's removal analysis reads at its last checkpoint):\n\n"
+                     + "\n".join(f"- {v.line()}" for v in documents))
+            summary["documents"] = [v.as_dict() for v in documents]
+    else:
         steps = step_verdicts(axis, records)
         text += ("\n\nEach step, paired by seed (eval loss; the slope weighs the end points most, so a step can "
                  "disagree with it):\n\n" + "\n".join(f"- {v.line()}" for v in steps))
         summary["steps"] = [v.as_dict() for v in steps]
-    documents = document_verdicts(axis, records) if unjudged else []
-    if documents:
-        text += (f"\n\nWith one seed per run, the runs are compared on the same held-out documents ({heldout}, whole "
-                 "documents that every run's removal analysis reads at its last checkpoint):\n\n"
-                 + "\n".join(f"- {v.line()}" for v in documents))
-        summary["documents"] = [v.as_dict() for v in documents]
     return text, summary
 
 
