@@ -81,6 +81,15 @@ BUDGETS = {
 }
 # The pilot: seed 1 of the Wikipedia sweep (its records are the sweep's), L = 12 and 24 first: does depth pay?
 BUDGETS["wikipedia_pilot"] = dict(BUDGETS["wikipedia"], seeds=(1,), report_suffix="_pilot")
+# Issue 64, the budget x depth map: the Wikipedia budget finished at fewer updates (the cosine fully decayed, warmup
+# 10%), everything else the same. Each saves at an interval that divides its analysis points (thirds: 800, 1,600 and
+# 2,400; 2,500, 3,750 and 5,000), so that a stopped run resumes and every analysed checkpoint exists.
+BUDGETS["wikipedia_2400"] = dict(BUDGETS["wikipedia"], steps=2_400, warmup=240, save_every=400, depths=(6, 12, 24, 48),
+                                 first_depths=(), out="docs/depth_sweep_wikipedia_2400",
+                                 runs_dir="runs/depth_sweep_wikipedia_2400")
+BUDGETS["wikipedia_5000"] = dict(BUDGETS["wikipedia"], steps=5_000, warmup=500, save_every=625, depths=(6, 12, 24),
+                                 first_depths=(), out="docs/depth_sweep_wikipedia_5000",
+                                 runs_dir="runs/depth_sweep_wikipedia_5000")
 PREDICTIONS = [
     # (the paper's prediction, norm type, measure, expected sign of d(measure)/d(ln L), log-transform the measure)
     ("Pre-LN's variance growth rises with depth", "pre", "variance_growth", +1, True),
