@@ -45,13 +45,13 @@ def rate_of(record: dict) -> float:
     return float(flags[flags.index("--lr") + 1])
 
 
-def budget_of(record: dict) -> tuple:
-    """What a record shares with every other record of its grid: its flags without the rate, the arm and the seed,
-    its config's name without its folder and depth (llama_h64_L12.json: llama_h64.json), and its analysis
-    settings."""
+def budget_of(record: dict, per_run: tuple[str, ...] = PER_RUN_FLAGS) -> tuple:
+    """What a record shares with every other record of its grid: its flags without the `per_run` ones (the rate,
+    the arm and the seed), its config's name without its folder and depth (llama_h64_L12.json: llama_h64.json),
+    and its analysis settings."""
     flags, kept = record["flags"], []
     for index, flag in enumerate(flags):
-        if flag in PER_RUN_FLAGS or (index and flags[index - 1] in PER_RUN_FLAGS):
+        if flag in per_run or (index and flags[index - 1] in per_run):
             continue
         kept.append(re.sub(r"_L\d+(?=\.json$)", "", Path(flag).name) if index and flags[index - 1] == "--model_config"
                     else flag)

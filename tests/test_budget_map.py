@@ -1,0 +1,120 @@
+"""The token budget x depth map (issue 64), on the committed 10,500-update Wikipedia records and copies of them
+retold as a shorter budget with known leads."""
+import json
+import pathlib
+
+import pytest
+
+from utils.study import budget_map, runs, verdicts
+
+SWEEP = runs.REPO / "docs/depth_sweep_wikipedia_lr0.002"
+GRID = [runs.REPO / f"docs/depth_sweep_wikipedia{suffix}" for suffix in ("", "_lr0.004", "_lr0.008")]
+
+
+def committed() -> dict[str, dict]:
+    return {path.stem: runs.read_record(path) for path in sorted((SWEEP / "runs").glob("*.json"))}
+
+
+def retold(records: dict[str, dict], updates: int, lead: dict[int, dict[int, float]]) -> dict[str, dict]:
+    """The records as a budget of `updates`, each LNS run's loss set to its Pre-LN pair's minus lead[depth][seed]."""
+    found = json.loads(json.dumps(records))
+    for record in found.values():
+        flags = record["flags"]
+        flags[flags.index("--num_training_steps") + 1] = str(updates)
+        flags[flags.index("--warmup_steps") + 1] = str(updates // 10)
+    for name, record in found.items():
+        if "-lns-" in name:
+            depth, seed = int(name.split("-")[0][1:]), record["seed"]
+            pre = found[name.replace("-lns-", "-pre-")]["eval_curve"][-1][1]
+            record["eval_curve"][-1][1] = pre - lead[depth][seed]
+    return found
+
+
+def write_folder(folder: pathlib.Path, records: dict[str, dict]) -> pathlib.Path:
+    (folder / "runs").mkdir(parents=True)
+    for name, record in records.items():
+        (folder / "runs" / f"{name}.json").write_text(json.dumps(record))
+    return folder
+
+
+# a lead that grows with depth at every seed, by different amounts (so that the seeds do not agree exactly)
+GROWING = {6: {1: 0.01, 2: 0.02, 3: 0.00}, 12: {1: 0.05, 2: 0.05, 3: 0.03}, 24: {1: 0.10, 2: 0.08, 3: 0.09}}
+
+
+def test_a_lead_that_grows_at_the_short_budget_and_shrinks_at_the_long_one_changes_sign(tmp_path):
+    short = write_folder(tmp_path / "short", retold(committed(), 2400, GROWING))
+    assert budget_map.main([str(short), str(SWEEP), "--out", str(tmp_path / "map")]) == 0
+    summary = json.loads((tmp_path / "map/budget_map.json").read_text())
+    assert list(summary["budgets"]) == ["2400", "10500"]
+    assert summary["budgets"]["2400"]["lead"]["24"] == pytest.approx({"1": 0.10, "2": 0.08, "3": 0.09})
+    assert summary["budgets"]["2400"]["slope"]["status"] == verdicts.REPRODUCED
+    # the committed sweep: LNS's lead shrinks from L = 6 to 24 over three seeds
+    assert summary["budgets"]["10500"]["slope"]["status"] == verdicts.OPPOSITE
+    (interaction,) = summary["interactions"]
+    assert interaction["sign_change"] and interaction["difference"]["status"] == verdicts.REPRODUCED
+    assert "changes sign: it excludes zero upward at 2,400 updates and downward at 10,500" in interaction["words"]
+    text = (tmp_path / "map/budget_map.md").read_text()
+    assert "rests on L = 6 and 24 only" in text
+    assert "| 2,400 (4.9M) | +0.010 [" in text  # the mean of the three seeds' leads at L = 6
+    assert (tmp_path / "map/budget_map.png").stat().st_size > 0
+
+
+def test_the_mid_run_read_comes_from_the_longer_runs_eval_curves(tmp_path):
+    short = write_folder(tmp_path / "short", retold(committed(), 2400, GROWING))
+    budget_map.write([short, SWEEP], [], tmp_path / "map", [])
+    records = committed()
+    step, lead = budget_map.curve_lead(records, 24, 2400)
+    assert step == 2500
+    curve = {name: dict(r["eval_curve"]) for name, r in records.items()}
+    assert lead[2] == pytest.approx(curve["L24-pre-seed2"][2500] - curve["L24-lns-seed2"][2500])
+    text = (tmp_path / "map/budget_map.md").read_text()
+    assert "| update 2,500 | the 10,500-update runs |" in text
+
+
+def test_each_arm_at_its_best_rate_reads_the_grid_of_the_long_budget(tmp_path):
+    short = write_folder(tmp_path / "short", retold(committed(), 2400, GROWING))
+    summary = budget_map.write([short, SWEEP], GRID, tmp_path / "map", [])
+    assert summary["best_rate_updates"] == 10500
+    at = {b["depth"]: b for b in summary["best_rates"]}
+    assert 0.008 in at[6]["rates_tried"] and 0.002 in at[24]["rates_tried"]
+    for b in summary["best_rates"]:  # each arm at the lowest mean loss of the rates both tried
+        assert b["rate_pre"] in b["rates_tried"] and b["rate_lns"] in b["rates_tried"]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda r: r["flags"].__setitem__(r["flags"].index("--lr") + 1, "0.004"), "share one rate"),
+    (lambda r: r["flags"].__setitem__(r["flags"].index("--max_length") + 1, "64"), "trained or analysed unlike"),
+])
+def test_folders_of_another_rate_or_sweep_are_one_line_errors(tmp_path, capsys, change, message):
+    records = retold(committed(), 2400, GROWING)
+    for record in records.values():
+        change(record)
+    other = write_folder(tmp_path / "other", records)
+    with pytest.raises(SystemExit) as stopped:
+        budget_map.main([str(SWEEP), str(other), "--out", str(tmp_path / "map")])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+    assert not (tmp_path / "map").exists()
+
+
+def test_two_folders_of_one_budget_are_refused(tmp_path, capsys):
+    copy = write_folder(tmp_path / "copy", committed())
+    with pytest.raises(SystemExit):
+        budget_map.main([str(SWEEP), str(copy), "--out", str(tmp_path / "map")])
+    assert "a second folder of the 10,500-update budget" in capsys.readouterr().err
+
+
+def test_a_slope_over_three_depths_evenly_spaced_in_ln_rests_on_the_end_points():
+    weights = budget_map.slope_weights([6, 12, 24])
+    assert weights[12] == pytest.approx(0, abs=1e-12) and weights[24] == pytest.approx(-weights[6])
+    assert budget_map.resting_depths([6, 12, 24]) == [6, 24]
+    assert budget_map.resting_depths([6, 12, 24, 48]) == [6, 12, 24, 48]
+
+
+def test_an_interval_that_barely_excludes_zero_is_called_so():
+    barely = verdicts.Verdict("c", +1, -0.040, -0.078, -0.002, 3, verdicts.OPPOSITE, "", n_agree=0)
+    clear = verdicts.Verdict("c", +1, -0.040, -0.060, -0.020, 3, verdicts.OPPOSITE, "", n_agree=0)
+    assert "barely excludes zero" in budget_map.evidence_note(barely, [6, 12, 24, 48])
+    assert "barely" not in budget_map.evidence_note(clear, [6, 12, 24, 48])
+    assert "3 of 3 seeds agreeing in sign is p = 0.125" in budget_map.evidence_note(clear, [6, 12, 24, 48])
