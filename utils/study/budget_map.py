@@ -121,7 +121,8 @@ def interval_text(summary: dict, digits: int = 3) -> str:
         return "n/a"
     if summary["low"] is None:
         return f"{summary['mean']:+.{digits}f} (1 seed)"
-    return f"{summary['mean']:+.{digits}f} [{summary['low']:+.{digits}f}, {summary['high']:+.{digits}f}] ({summary['n']})"
+    mean, low, high = (f"{summary[key]:+.{digits}f}" for key in ("mean", "low", "high"))
+    return f"{mean} [{low}, {high}] ({summary['n']})"
 
 
 def slope_weights(depths: list[int]) -> dict[int, float]:
@@ -178,8 +179,8 @@ def arm_slopes(records: dict[str, dict], depths: list[int], updates: int) -> dic
 
 def arm_losses(records: dict[str, dict], depths: list[int]) -> dict[str, dict[int, dict]]:
     """{norm: {depth: mean [interval] of the eval loss over seeds}}."""
-    return {norm: {d: mean_interval([v for v in by_seed(records, f"L{d}-{norm}", "eval_loss").values() if v is not None])
-                   for d in depths} for norm in NORMS}
+    return {norm: {d: mean_interval([v for v in by_seed(records, f"L{d}-{norm}", "eval_loss").values()
+                                     if v is not None]) for d in depths} for norm in NORMS}
 
 
 def interaction(short: int, long: int, slopes: dict[int, dict[int, float | None]],
@@ -192,8 +193,8 @@ def interaction(short: int, long: int, slopes: dict[int, dict[int, float | None]
     a, b = verdict_at[short], verdict_at[long]
     opposite_sides = {a.status, b.status} == {verdicts.REPRODUCED, verdicts.OPPOSITE}
     if opposite_sides:
-        words = (f"the slope changes sign: it excludes zero upward at {short if a.status == verdicts.REPRODUCED else long:,} "
-                 f"updates and downward at {long if a.status == verdicts.REPRODUCED else short:,}")
+        upward, downward = (short, long) if a.status == verdicts.REPRODUCED else (long, short)
+        words = f"the slope changes sign: it excludes zero upward at {upward:,} updates and downward at {downward:,}"
     elif verdict.status in (verdicts.REPRODUCED, verdicts.OPPOSITE):
         words = ("the slope differs between the budgets beyond noise, but a change of sign is not shown (at least one "
                  "budget's own slope is inside noise or not measurable)")
@@ -233,8 +234,8 @@ def budget_entry(updates: int, records: dict[str, dict], settings: dict) -> dict
                                                "LNS vs ln L)")
     return dict(updates=updates, tokens=updates * settings["batch"] * settings["length"], depths=depths, lead=lead,
                 lead_summary={d: mean_interval(list(lead[d].values())) for d in depths}, slope=verdict,
-                slopes=slopes, slope_note=evidence_note(verdict, depths), arm_slopes=arm_slopes(records, depths, updates),
-                losses=arm_losses(records, depths))
+                slopes=slopes, slope_note=evidence_note(verdict, depths),
+                arm_slopes=arm_slopes(records, depths, updates), losses=arm_losses(records, depths))
 
 
 def common_slopes(entries: dict[int, dict], depths: list[int]) -> tuple[dict, dict]:
@@ -254,7 +255,8 @@ def curve_lead(records: dict[str, dict], depth: int, step: int) -> tuple[int, di
     if not steps:
         return step, {}
     nearest = min(steps, key=lambda s: (abs(s - step), s))
-    return nearest, {seed: curve[nearest] - curves["lns"][seed][nearest] for seed, curve in sorted(curves["pre"].items())
+    return nearest, {seed: curve[nearest] - curves["lns"][seed][nearest]
+                     for seed, curve in sorted(curves["pre"].items())
                      if nearest in curve and nearest in curves["lns"].get(seed, {})}
 
 
@@ -391,7 +393,8 @@ def write(folders: list[Path], grid_folders: list[Path], out: Path, argv: list[s
         text += [f"At {best_updates:,} updates, where the learning-rate grid trained both arms: each arm at its best "
                  "of the rates both tried at that depth (chosen on the mean eval loss, the same validation text the "
                  "verdict reads, so its interval is somewhat optimistic). The shared-rate lead is the table above.",
-                 "", "| L | rates tried | Pre-LN's best | LNS's best | lead at the best rates |", "|---|---|---|---|---|"]
+                 "", "| L | rates tried | Pre-LN's best | LNS's best | lead at the best rates |",
+                 "|---|---|---|---|---|"]
         text += [f"| {b['depth']} | {', '.join(f'{r:g}' for r in b['rates_tried'])} | {b['rate_pre']:g} | "
                  f"{b['rate_lns']:g} | {interval_text(mean_interval(list(b['lead'].values())))} |" for b in best]
         text += [""] + [f"- {b['verdict'].line()}" for b in best]
@@ -410,7 +413,8 @@ def write(folders: list[Path], grid_folders: list[Path], out: Path, argv: list[s
     summary = dict(folders=[str(f) for f in folders], grid_folders=[str(f) for f in grid_folders], rate=rate,
                    common_depths=common,
                    budgets={str(u): dict(tokens=e["tokens"], depths=e["depths"],
-                                         lead={str(d): {str(s): v for s, v in per.items()} for d, per in e["lead"].items()},
+                                         lead={str(d): {str(s): v for s, v in per.items()}
+                                               for d, per in e["lead"].items()},
                                          slope=e["slope"].as_dict(), slope_note=e["slope_note"],
                                          depth_pays={n: v.as_dict() for n, v in e["arm_slopes"].items()})
                             for u, e in entries.items()},
