@@ -152,11 +152,6 @@ def prose_of(block: str) -> str:
     return " ".join(text.split())
 
 
-def lr_text(rate: str) -> str:
-    mantissa, exponent = f"{float(rate):.0e}".split("e")
-    return f"{mantissa}e{int(exponent)}"
-
-
 def pays(summary: dict, arm: str) -> bool:
     return summary["regime"]["depth_pays"][arm]
 
@@ -186,7 +181,7 @@ PROSE_CLAIMS = [
                   f"{results_table.significant(slope(s, 'lns')['effect'])} for LNS)"
                   if slope(s, "pre")["status"] == slope(s, "lns")["status"] == verdicts.OPPOSITE else "(no)"),
     ("the Wikipedia sweep's runs and rate", results_table.WIKIPEDIA,
-     lambda s, _: f"(one pass, {len(s['runs'])} runs at lr {lr_text(s['settings']['lr'])})"),
+     lambda s, _: f"(one pass, {len(s['runs'])} runs at lr {results_table.rate_text(s['settings']['lr'])})"),
     ("on Wikipedia depth pays for Pre-LN: its slope, and the seeds of its every step", results_table.WIKIPEDIA,
      lambda s, _: f"depth pays for Pre-LN (slope {results_table.significant(slope(s, 'pre')['effect'])}, "
                   f"{steps_agreeing(s, 'pre')})" if pays(s, "pre") else "depth does not pay for Pre-LN"),

@@ -58,6 +58,12 @@ def significant(value: float, digits: int = 2) -> str:
     return f"{value:+.{decimals}f}".replace("-", "−")
 
 
+def rate_text(rate: str) -> str:
+    """A learning rate as the docs print it: 2e-3."""
+    mantissa, exponent = f"{float(rate):.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
 def report_of(summary: str) -> str:
     """A summary's report: summary<suffix>.json beside report<suffix>.md."""
     path = Path(summary)
@@ -65,7 +71,7 @@ def report_of(summary: str) -> str:
 
 
 class Summaries:
-    """The committed summaries under `root`, each read once; every `Cell` names the one it came from."""
+    """The committed summaries under `root` (paths relative to it, as the README links them), each read once."""
 
     def __init__(self, root: Path):
         self.root, self.cache = root, {}
@@ -139,7 +145,7 @@ def columns(summaries: Summaries) -> list[tuple[str, list[tuple[str, dict] | Non
     core = [LOSS, VARIANCE, ANGULAR, IDENTITY, claims.REMOVAL_CLAIM]
     lens_1500 = lens_note([pair_cell(summaries, STUDY_1500_LENS, claim)[1]["status"] for claim in LENS])
     depths, widths = (summaries[DEPTH]["settings"]["depths"], summaries[WIDTH]["settings"]["widths"])
-    wikipedia_depths = summaries[WIKIPEDIA]["settings"]["depths"]
+    wikipedia = summaries[WIKIPEDIA]["settings"]
     return [
         (f"embedded, {summaries[STUDY_300]['settings']['steps']:,} updates",
          [pair_cell(summaries, STUDY_300, claim) for claim in core] + [None, None]),
@@ -149,7 +155,8 @@ def columns(summaries: Summaries) -> list[tuple[str, list[tuple[str, dict] | Non
         (f"depth sweep, L = {min(depths)}–{max(depths)}", depth_column(summaries, DEPTH, DEPTH_LENS)),
         (f"width sweep, hidden {min(widths)}–{max(widths)}",
          [widest_cell(summaries, claim) for claim in core] + [None, None]),
-        (f"Wikipedia, L = {min(wikipedia_depths)}–{max(wikipedia_depths)}",
+        (f"Wikipedia, L = {min(wikipedia['depths'])}–{max(wikipedia['depths'])}, {wikipedia['steps']:,} updates at "
+         f"lr {rate_text(wikipedia['lr'])}",
          depth_column(summaries, WIKIPEDIA, WIKIPEDIA)),
     ]
 
@@ -206,7 +213,11 @@ def main(argv=None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    table = build_table()
+    try:
+        table = build_table()
+    except (KeyError, FileNotFoundError) as error:  # a summary gone, or one without a verdict the table reads
+        print(f"error: {error.args[0] if isinstance(error, KeyError) else error}", file=sys.stderr)
+        return 2
     if args.check:
         if current != table:
             print(f"{args.readme}: the results table is not what the summaries give; "
