@@ -1,14 +1,19 @@
-"""The README's results block cannot drift from the reports it cites (issue 46).
+"""The README's results block and the study pages cannot drift from the reports they cite (issues 46, 65).
 
-Every number with a decimal point in the block, and in docs/study.md's findings sections, must be found in a report
-that its section or its own paragraph links to (the report's text, its summary JSON, or what its run records give:
-a run's measures, an arm's means, and any two arms' paired interval), at the precision the README prints it: an
-interval "e [l, h]" as a whole, against the reports' intervals, and any other number against the reports' numbers.
-A number printed without a sign matches either sign ("trails by 0.17 [0.14, 0.20]"). A paragraph with numbers that
-cites no report fails.
+The README's results table is written by `utils/study/results_table.py` from the studies' summary JSON; the README
+must hold exactly what it writes. Every number in the prose around the table (counts such as "18 runs" and "3 of 3
+seeds" included) must be one of PROSE_CLAIMS: the claim it names, computed from the summary that holds it, so a
+number is checked against its own claim, not against any number of the cited reports.
+
+Every number with a decimal point in a study page's opening and findings sections must be found in a report that its
+section or its own paragraph links to (the report's text, its summary JSON, or what its run records give: a run's
+measures, an arm's means, and any two arms' paired interval), at the precision the page prints it: an interval
+"e [l, h]" as a whole, against the reports' intervals, and any other number against the reports' numbers. A number
+printed without a sign matches either sign ("trails by 0.17 [0.14, 0.20]"). A paragraph with numbers that cites no
+report fails.
 
 Rounding a rounded number can move it (-0.03448 printed as -0.0345, then as -0.035): a report's printed number
-stands in only when it is printed with the README's precision or at least two more places; otherwise only the
+stands in only when it is printed with the page's precision or at least two more places; otherwise only the
 summary JSON's full-precision value does.
 """
 from __future__ import annotations
@@ -23,13 +28,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from utils.study import measures, verdicts
+from utils.study import measures, results_table, verdicts
 
 REPO = Path(__file__).resolve().parents[1]
 NUMBER = r"[−+-]?\d+\.\d+(?:e[-+]?\d+)?"
 INTERVAL = re.compile(rf"({NUMBER})\s*(?:nats\s*)?\[(?:95% CI\s*)?({NUMBER}),\s*({NUMBER})\]")
 DECIMAL = re.compile(rf"(?<![\w.]){NUMBER}")
-REPORT_LINK = re.compile(r"\]\((docs/[^)#]*(?:report|lr_grid)[^)#]*\.md)")
 
 
 def parse(number: str) -> float:
@@ -110,18 +114,7 @@ def records_evidence(runs_dir: Path) -> tuple[list[tuple], list]:
     return intervals, numbers
 
 
-def results_paragraphs(readme: str) -> list[tuple[str, list[str]]]:
-    """(paragraph, the reports it may cite): its own links and those of its section's first paragraph."""
-    block = readme.split("<!-- results:start -->")[1].split("<!-- results:end -->")[0]
-    found = []
-    for section in re.split(r"\n(?=\*\*)", block.strip()):
-        parts = re.split(r"\n\s*\n|\n(?=- )", section)
-        section_links = REPORT_LINK.findall(parts[0])
-        found += [(part, section_links + REPORT_LINK.findall(part)) for part in parts]
-    return found
-
-
-# Perplexities that docs/study.md quotes from the papers (LNS's Table 4 at 130M and 250M, BHyT's at 1B), not ours.
+# Perplexities that the rivals' page quotes from the papers (LNS's Table 4 at 130M and 250M, BHyT's at 1B), not ours.
 PAPERS_NUMBERS = {"25.80", "25.76", "20.79", "20.35", "16.47", "17.26", "17.75"}
 
 
@@ -142,14 +135,138 @@ def unmatched(paragraph: str, reports: list[str]) -> list[str]:
     return missing
 
 
-PARAGRAPHS = [(text, links) for text, links in results_paragraphs((REPO / "README.md").read_text())
-              if DECIMAL.search(re.sub(r"\]\([^)]*\)", "]", text))]
+README = REPO / "README.md"
 
 
-@pytest.mark.parametrize("paragraph, reports", PARAGRAPHS, ids=[text[:40] for text, _ in PARAGRAPHS])
-def test_every_number_in_the_readme_results_is_in_a_report_it_cites(paragraph, reports):
-    assert reports, f"a results paragraph with numbers cites no report: {paragraph[:80]!r}"
-    assert unmatched(paragraph, reports) == [], f"not in {reports}"
+def readme_block(readme: str) -> str:
+    return readme.split("<!-- results:start -->")[1].split("<!-- results:end -->")[0]
+
+
+def prose_of(block: str) -> str:
+    """The hand-written text of the results block: without the generated table, comments and link targets, on one
+    line (a phrase may wrap)."""
+    before, rest = block.split(results_table.START, 1)
+    text = before + rest.split(results_table.END, 1)[1]
+    text = re.sub(r"<!--.*?-->", " ", text, flags=re.S)
+    text = re.sub(r"\]\([^)]*\)", "]", text)
+    return " ".join(text.split())
+
+
+def pays(summary: dict, arm: str) -> bool:
+    return summary["regime"]["depth_pays"][arm]
+
+
+def slope(summary: dict, arm: str) -> dict:
+    return summary["regime"]["slopes"][arm]
+
+
+def steps_agreeing(summary: dict, arm: str) -> str:
+    """"each step k of n seeds": the fewest seeds that any of the arm's steps of depth has on the paper's side."""
+    label = {"pre": "Pre-LN", "lns": "LNS"}[arm]
+    steps = [step for step in summary["regime"]["steps"] if step["claim"].startswith(f"{label}: ")]
+    return f"each step {min(s['n_agree'] for s in steps)} of {max(s['n_pairs'] for s in steps)} seeds"
+
+
+# What the README's prose says, each with how the summaries give it: (the claim, summary, the text it must print).
+# A verbal claim ("depth pays for Pre-LN") prints differently when its summary says otherwise, so it is checked too.
+PROSE_CLAIMS = [
+    ("the CPU-scale study's two budgets", results_table.STUDY_300,
+     lambda s, summaries: f"({s['settings']['steps']:,} and "
+                          f"{summaries[results_table.STUDY_1500]['settings']['steps']:,} updates)"),
+    ("on the embedded corpus depth pays for neither arm", results_table.DEPTH,
+     lambda s, _: "where depth does not pay" if not (pays(s, "pre") or pays(s, "lns")) else "where depth pays"),
+    ("the embedded depth sweep's loss slopes, both arms opposite to 'falls with depth'", results_table.DEPTH,
+     lambda s, _: "adding layers raises both arms' eval loss (slope against ln L "
+                  f"{results_table.significant(slope(s, 'pre')['effect'])} for Pre-LN, "
+                  f"{results_table.significant(slope(s, 'lns')['effect'])} for LNS)"
+                  if slope(s, "pre")["status"] == slope(s, "lns")["status"] == verdicts.OPPOSITE else "(no)"),
+    ("the Wikipedia sweep's runs and rate", results_table.WIKIPEDIA,
+     lambda s, _: f"(one pass, {len(s['runs'])} runs at lr {results_table.rate_text(s['settings']['lr'])})"),
+    ("on Wikipedia depth pays for Pre-LN: its slope, and the seeds of its every step", results_table.WIKIPEDIA,
+     lambda s, _: f"depth pays for Pre-LN (slope {results_table.significant(slope(s, 'pre')['effect'])}, "
+                  f"{steps_agreeing(s, 'pre')})" if pays(s, "pre") else "depth does not pay for Pre-LN"),
+    ("on Wikipedia depth is not shown to pay for LNS: its slope and verdict", results_table.WIKIPEDIA,
+     lambda s, _: f"is not shown to pay for LNS ({results_table.significant(slope(s, 'lns')['effect'])}, "
+                  f"{slope(s, 'lns')['status']})" if not pays(s, "lns") else "pays for LNS"),
+]
+
+
+def prose_errors(prose: str, summaries: results_table.Summaries) -> list[str]:
+    """Each claim whose text the prose does not print, then each number the claims do not account for."""
+    errors, rest = [], prose
+    for claim, summary, printed in PROSE_CLAIMS:
+        expected = printed(summaries[summary], summaries)
+        if expected not in prose:
+            errors.append(f"{claim}: the summary gives {expected!r}")
+        rest = rest.replace(expected, " ")
+    errors += [f"a number no claim names: {number!r}" for number in re.findall(r"[−+-]?\d[\d,.]*(?:e-?\d+)?", rest)]
+    return errors
+
+
+def test_the_readme_table_is_what_the_summaries_give():
+    assert results_table.readme_table(README.read_text()) == results_table.build_table(), \
+        "run python -m utils.study.results_table"
+
+
+def test_every_number_in_the_readme_prose_is_the_claim_it_names():
+    assert prose_errors(prose_of(readme_block(README.read_text())), results_table.Summaries(REPO)) == []
+
+
+def test_the_prose_check_catches_a_drifted_number_an_unnamed_one_and_a_verbal_claim_gone_wrong():
+    summaries = results_table.Summaries(REPO)
+    prose = prose_of(readme_block(README.read_text()))
+    wikipedia = summaries[results_table.WIKIPEDIA]
+    runs = f"{len(wikipedia['runs'])} runs"
+    assert runs in prose
+    drifted = prose_errors(prose.replace(runs, f"{len(wikipedia['runs']) + 1} runs"), summaries)
+    assert drifted[0].startswith("the Wikipedia sweep's runs and rate: the summary gives")
+    assert f"a number no claim names: '{len(wikipedia['runs']) + 1}'" in drifted[1:]
+    assert prose_errors(prose + " It took 12 hours.", summaries) == ["a number no claim names: '12'"]
+    wikipedia["regime"]["depth_pays"]["lns"] = True  # a summary that says depth pays for LNS
+    assert any(error.startswith("on Wikipedia depth is not shown to pay for LNS") for error in
+               prose_errors(prose, summaries))
+
+
+def test_the_table_follows_its_summaries(tmp_path):
+    """A verdict that changes in a summary changes its cell, and only the cell of that claim and regime."""
+    wanted = [getattr(results_table, name) for name in dir(results_table) if name.isupper() and
+              isinstance(getattr(results_table, name), str) and getattr(results_table, name).endswith(".json")]
+    for name in wanted:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text((REPO / name).read_text())
+    config = json.loads((REPO / results_table.STUDY_300).read_text())["settings"]["model_config"]
+    (tmp_path / config).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / config).write_text((REPO / config).read_text())
+    assert results_table.build_table(tmp_path) == results_table.build_table()
+
+    summary = json.loads((tmp_path / results_table.WIDTH).read_text())
+    widest = str(max(summary["settings"]["widths"]))
+    identity = next(v for v in summary["at_width"][widest] if v["claim"] == results_table.IDENTITY)
+    assert identity["status"] == verdicts.OPPOSITE
+    identity.update(status=verdicts.REPRODUCED, effect=0.5)
+    (tmp_path / results_table.WIDTH).write_text(json.dumps(summary))
+    before, after = results_table.build_table().splitlines(), results_table.build_table(tmp_path).splitlines()
+    changed = [(old, new) for old, new in zip(before, after) if old != new]
+    assert len(changed) == 1 and "closer to the identity" in changed[0][0]
+    assert "[**reproduced** +0.50](docs/width_sweep_mixed_compile/report.md)" in changed[0][1]
+    assert "[**opposite**" in changed[0][1].split("+0.50")[0]  # the 1,500-update column before it keeps its own
+
+
+def test_the_check_mode_fails_on_a_stale_readme_and_names_it(tmp_path, capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text(README.read_text())
+    assert results_table.main(["--check", "--readme", str(readme)]) == 0
+    readme.write_text(README.read_text().replace("**opposite** −0.015", "**opposite** −0.016", 1))
+    assert results_table.main(["--check", "--readme", str(readme)]) == 1
+    assert str(readme) in capsys.readouterr().err
+    assert results_table.main(["--readme", str(readme)]) == 0
+    assert readme.read_text() == README.read_text()
+
+
+@pytest.mark.parametrize("value, printed", [(-0.198, "−0.20"), (-0.0037, "−0.0037"), (0.0891, "+0.089"),
+                                            (-1.34, "−1.3"), (85.3, "+85"), (1e-5, "+0.000010")])
+def test_a_cell_prints_two_significant_figures_without_exponents(value, printed):
+    assert results_table.significant(value) == printed
 
 
 def test_the_check_catches_a_drifted_interval():
@@ -163,23 +280,31 @@ def test_the_check_catches_a_drifted_interval():
     assert unmatched("grows by 12.345 nats", [report]) == ["12.345"]
 
 
-def study_section_paragraphs(heading: str) -> list[tuple[str, list[str]]]:
-    """docs/study.md's section under `heading`: each paragraph with every report the section links to."""
-    text = (REPO / "docs" / "study.md").read_text()
-    section = text.split(f"\n## {heading}\n")[1].split("\n## ")[0]
+def study_section_paragraphs(page: str, heading: str | None) -> list[tuple[str, list[str]]]:
+    """A study page's section under `heading` (None: the page's opening, before its first section): each paragraph
+    with every report the section links to."""
+    text = (REPO / "docs" / page).read_text()
+    section = text.split("\n## ")[0] if heading is None else text.split(f"\n## {heading}\n")[1].split("\n## ")[0]
     reports = ["docs/" + link for link in re.findall(r"\]\(([^)#]*(?:report|lr_grid)[^)#]*\.md)", section)]
     reports += re.findall(r"`(docs/[^`]*report[^`]*\.md)`", section)  # a report named in code, not linked
     return [(part, reports) for part in re.split(r"\n\s*\n|\n(?=- )", section) if DECIMAL.search(part)]
 
 
-STUDY_SECTIONS = ["What the study found", "What the rivals extension found", "What the depth sweep found",
-                  "What the width sweep found", "What the Wikipedia depth sweep found"]
+STUDY_SECTIONS = [
+    ("cpu_study.md", None), ("cpu_study.md", "What the study found"),
+    ("rivals_study.md", None), ("rivals_study.md", "What the rivals extension found (300 updates)"),
+    ("rivals_study.md", "What the rivals found at 1,500 updates"),
+    ("depth_sweep_study.md", None), ("depth_sweep_study.md", "What the depth sweep found"),
+    ("width_sweep_study.md", None), ("width_sweep_study.md", "What the width sweep found"),
+    ("wikipedia_study.md", None), ("wikipedia_study.md", "What the Wikipedia depth sweep found"),
+]
 
 
-@pytest.mark.parametrize("heading", STUDY_SECTIONS)
-def test_every_number_in_the_study_sweep_findings_is_in_a_report_they_cite(heading):
+@pytest.mark.parametrize("page, heading", STUDY_SECTIONS, ids=[f"{page}:{heading or 'opening'}"
+                                                               for page, heading in STUDY_SECTIONS])
+def test_every_number_in_the_study_pages_findings_is_in_a_report_they_cite(page, heading):
     missing = [(paragraph[:60], unmatched(paragraph, reports))
-               for paragraph, reports in study_section_paragraphs(heading)]
+               for paragraph, reports in study_section_paragraphs(page, heading)]
     assert [entry for entry in missing if entry[1]] == []
 
 

@@ -7,6 +7,7 @@ only their budgets, arms and report templates. No script imports another.
     backfill   measures a committed record predates, added from a retrain that agrees with it
     replicate  which verdicts of a study survive a second run of it (another host), side by side
     lr_grid    a depth sweep trained at several --lr: each point's best rate, and the verdicts at the best rates
+    results_table  the README's claims x regimes table, written from the committed summaries
     measures   the scalar measures a record's analyses are summarised into, per arm and seed
     claims     the paper's claims about LNS against Pre-LN as paired verdicts on two arms, and their report text
     sweep      what the depth and width sweeps share: the axis, configs, flags, slopes against ln of the swept value
