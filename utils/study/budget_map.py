@@ -17,26 +17,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
-
-import numpy as np
 
 from peft_pretraining.cli import OneLineErrorParser
 from utils.study import lr_grid, verdicts
 from utils.study.measures import by_seed
 from utils.study.plots import pyplot
 from utils.study.runs import REPO, read_record
-from utils.study.sweep import NORMS, slope_by_seed, slope_verdict
+from utils.study.sweep import NORMS, evidence_note, slope_by_seed, slope_verdict
 
 # Flags that differ between the runs of one map: a run's point (its updates and warmup, its depth's config, its
 # arm) and its seed. The rate is not among them: the map's folders share one.
 PER_RUN_FLAGS = ("--seed", "--norm_type", "--num_training_steps", "--warmup_steps")
 DEFAULT_OUT = REPO / "docs/depth_sweep_wikipedia_budget_map"
-# An interval that excludes zero by less than this fraction of its half-width is called "barely" excluding it: a
-# small change of one seed would bring zero inside.
-BARELY = 0.1
 
 
 def flag(record: dict, name: str) -> str:
@@ -123,41 +117,6 @@ def interval_text(summary: dict, digits: int = 3) -> str:
         return f"{summary['mean']:+.{digits}f} (1 seed)"
     mean, low, high = (f"{summary[key]:+.{digits}f}" for key in ("mean", "low", "high"))
     return f"{mean} [{low}, {high}] ({summary['n']})"
-
-
-def slope_weights(depths: list[int]) -> dict[int, float]:
-    """Each depth's weight in a least-squares slope against ln L (the weights sum to zero). With L = 6, 12, 24, evenly
-    spaced in ln L, the middle depth's weight is zero: the slope is (y(24) − y(6)) / ln 4."""
-    x = np.log(np.asarray(depths, dtype=float))
-    centred = x - x.mean()
-    return {d: float(w) for d, w in zip(depths, centred / np.sum(centred ** 2))}
-
-
-def resting_depths(depths: list[int]) -> list[int]:
-    """The depths a least-squares slope over `depths` gives a weight to (not ~0)."""
-    weights = slope_weights(depths)
-    largest = max(abs(w) for w in weights.values())
-    return [d for d, w in weights.items() if abs(w) > 1e-9 * largest]
-
-
-def evidence_note(verdict: verdicts.Verdict, depths: list[int]) -> str:
-    """What a slope verdict rests on, in words: its depths, its seeds (and the one-sided sign test of their
-    agreement), and an interval that excludes zero only barely."""
-    notes = []
-    resting = resting_depths(depths)
-    if len(resting) < len(depths):
-        notes.append(f"rests on L = {' and '.join(map(str, resting))} only (with {len(depths)} depths evenly spaced in "
-                     "ln L the others weigh nothing)")
-    if verdict.effect is not None:
-        n, k = verdict.n_pairs, verdict.n_agree
-        majority = max(k, n - k)
-        p = sum(math.comb(n, i) for i in range(majority, n + 1)) / 2 ** n
-        notes.append(f"{k} of {n} seeds go the claim's way; a one-sided sign test of {majority} of {n} seeds "
-                     f"agreeing in sign is p = {p:.3g}")
-        nearer = min(abs(verdict.low), abs(verdict.high))
-        if verdict.status != verdicts.INSIDE_NOISE and nearer < BARELY * (verdict.high - verdict.low) / 2:
-            notes.append("the interval barely excludes zero (by less than a tenth of its half-width)")
-    return "; ".join(notes)
 
 
 def lead_slope(lead: dict[int, dict[int, float]], depths: list[int], claim: str) -> tuple[verdicts.Verdict, dict]:
