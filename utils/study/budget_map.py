@@ -126,13 +126,14 @@ def lead_slope(lead: dict[int, dict[int, float]], depths: list[int], claim: str)
     return slope_verdict(claim, +1, slopes), slopes
 
 
-def arm_slopes(records: dict[str, dict], depths: list[int], updates: int) -> dict[str, verdicts.Verdict]:
-    """Per arm: does adding layers lower the eval loss at this budget (the slope against ln L, -1: depth pays)?"""
+def arm_slopes(records: dict[str, dict], depths: list[int], updates: int) -> dict[str, tuple]:
+    """Per arm: does adding layers lower the eval loss at this budget (the slope against ln L, -1: depth pays)?
+    (the verdict, the per-seed slopes)."""
     found = {}
     for norm, label in NORMS.items():
-        table = {d: by_seed(records, f"L{d}-{norm}", "eval_loss") for d in depths}
-        found[norm] = slope_verdict(f"{updates:,} updates: {label}'s eval loss falls with depth (slope vs ln L)", -1,
-                                    slope_by_seed(table, False))
+        slopes = slope_by_seed({d: by_seed(records, f"L{d}-{norm}", "eval_loss") for d in depths}, False)
+        found[norm] = (slope_verdict(f"{updates:,} updates: {label}'s eval loss falls with depth (slope vs ln L)", -1,
+                                     slopes), slopes)
     return found
 
 
@@ -283,10 +284,12 @@ def plot(entries: dict[int, dict], best: list[dict], best_updates: int | None, p
     return path
 
 
-def verdict_cell(v: verdicts.Verdict) -> str:
-    if v.effect is None:
-        return v.status
-    return f"{v.effect:+.4f} [{v.low:+.4f}, {v.high:+.4f}], {v.n_pairs} seeds: {v.status}"
+def verdict_cell(v: verdicts.Verdict, slopes: dict[int, float | None] | None = None) -> str:
+    """A slope verdict in a table cell; without an interval (one seed), each seed's own slope as a sign."""
+    if v.effect is not None:
+        return f"{v.effect:+.4f} [{v.low:+.4f}, {v.high:+.4f}], {v.n_pairs} seeds: {v.status}"
+    signs = [f"seed {seed}: {slope:+.4f}" for seed, slope in (slopes or {}).items() if slope is not None]
+    return f"{'; '.join(signs)} (one seed: a sign, no interval)" if signs else v.status
 
 
 def map_table(entries: dict[int, dict]) -> str:
@@ -296,9 +299,9 @@ def map_table(entries: dict[int, dict]) -> str:
              "|---|" + "---|" * (len(depths) + 3)]
     for updates, e in entries.items():
         leads = [interval_text(e["lead_summary"][d]) if d in e["depths"] else "not trained" for d in depths]
-        pays = [verdict_cell(e["arm_slopes"][norm]) for norm in NORMS]
+        pays = [verdict_cell(*e["arm_slopes"][norm]) for norm in NORMS]
         lines.append(f"| {updates:,} ({e['tokens'] / 1e6:.1f}M) | " + " | ".join(leads)
-                     + f" | {verdict_cell(e['slope'])} | " + " | ".join(pays) + " |")
+                     + f" | {verdict_cell(e['slope'], e['slopes'])} | " + " | ".join(pays) + " |")
     return "\n".join(lines)
 
 
@@ -375,7 +378,7 @@ def write(folders: list[Path], grid_folders: list[Path], out: Path, argv: list[s
                                          lead={str(d): {str(s): v for s, v in per.items()}
                                                for d, per in e["lead"].items()},
                                          slope=e["slope"].as_dict(), slope_note=e["slope_note"],
-                                         depth_pays={n: v.as_dict() for n, v in e["arm_slopes"].items()})
+                                         depth_pays={n: v.as_dict() for n, (v, _) in e["arm_slopes"].items()})
                             for u, e in entries.items()},
                    interactions=[dict(i, difference=i["difference"].as_dict()) for i in interactions],
                    best_rates=[dict(b, lead={str(s): v for s, v in b["lead"].items()}, verdict=b["verdict"].as_dict())
