@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-from utils.study import budget_map, runs, verdicts
+from utils.study import budget_map, runs, sweep, verdicts
 
 SWEEP = runs.REPO / "docs/depth_sweep_wikipedia_lr0.002"
 GRID = [runs.REPO / f"docs/depth_sweep_wikipedia{suffix}" for suffix in ("", "_lr0.004", "_lr0.008")]
@@ -106,15 +106,15 @@ def test_two_folders_of_one_budget_are_refused(tmp_path, capsys):
 
 
 def test_a_slope_over_three_depths_evenly_spaced_in_ln_rests_on_the_end_points():
-    weights = budget_map.slope_weights([6, 12, 24])
+    weights = sweep.slope_weights([6, 12, 24])
     assert weights[12] == pytest.approx(0, abs=1e-12) and weights[24] == pytest.approx(-weights[6])
-    assert budget_map.resting_depths([6, 12, 24]) == [6, 24]
-    assert budget_map.resting_depths([6, 12, 24, 48]) == [6, 12, 24, 48]
+    assert sweep.resting_depths([6, 12, 24]) == [6, 24]
+    assert sweep.resting_depths([6, 12, 24, 48]) == [6, 12, 24, 48]
 
 
 def test_an_interval_that_barely_excludes_zero_is_called_so():
     barely = verdicts.Verdict("c", +1, -0.040, -0.078, -0.002, 3, verdicts.OPPOSITE, "", n_agree=0)
     clear = verdicts.Verdict("c", +1, -0.040, -0.060, -0.020, 3, verdicts.OPPOSITE, "", n_agree=0)
-    assert "barely excludes zero" in budget_map.evidence_note(barely, [6, 12, 24, 48])
-    assert "barely" not in budget_map.evidence_note(clear, [6, 12, 24, 48])
-    assert "3 of 3 seeds agreeing in sign is p = 0.125" in budget_map.evidence_note(clear, [6, 12, 24, 48])
+    assert "barely excludes zero" in sweep.evidence_note(barely, [6, 12, 24, 48])
+    assert "barely" not in sweep.evidence_note(clear, [6, 12, 24, 48])
+    assert "3 of 3 seeds agreeing in sign is p = 0.125" in sweep.evidence_note(clear, [6, 12, 24, 48])

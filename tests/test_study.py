@@ -42,7 +42,7 @@ def test_evenly_spaced_steps_end_at_the_last_step_and_share_a_save_interval():
 
 def crafted_analysis(num_layers=8, removal=None):
     return dict(
-        variance=[1.0 * (k + 1) for k in range(num_layers + 1)],  # growth last/first = (L+1)/2
+        variance=[1.0 * (k + 1) for k in range(num_layers + 1)],  # last / first = (L+1)/2; last / L/2 = (L+1)/(L/2+1)
         angular_next=[0.1 * k for k in range(num_layers)],
         jacobian_rel_identity_dev=[0.5] * (num_layers // 2) + [0.1] * (num_layers // 2),
         removal_nats=removal if removal is not None else [0.5] * (num_layers // 2) + [0.001] * (num_layers // 2),
@@ -52,13 +52,23 @@ def crafted_analysis(num_layers=8, removal=None):
 
 def test_summarise_analysis_reads_the_deep_half():
     summary = measures.summarise_analysis(crafted_analysis())
-    assert summary["variance_growth"] == pytest.approx(9 / 2)
+    assert summary["variance_growth"] == pytest.approx(9 / 5)  # the stream leaving layer 4 of 8 has variance 5
+    assert summary["variance_growth_from_first"] == pytest.approx(9 / 2)
     # Entry l is d(l, l+1), the change made by layer l (0-based): the deep half is layers 4..7, the last included,
     # the same layers as the Jacobian and removal measures.
     assert summary["angular_deep"] == pytest.approx((0.4 + 0.5 + 0.6 + 0.7) / 4)
     assert summary["jacobian_deep"] == pytest.approx(0.1)
     assert summary["removal_deep"] == pytest.approx(0.001)
     assert summary["cheap_removal_fraction"] == pytest.approx(0.5)  # 0.001 < ln(1.01), 0.5 is not
+
+
+def test_the_variance_growth_does_not_hinge_on_the_first_block():
+    """A first block that barely moves the stream (its successor makes the jump) inflates last / first a
+    thousandfold; the growth over the deeper half reads the same as in a run whose first block made the jump."""
+    jump_late = [0.025, 0.03, 120, 130, 140, 150, 160]
+    jump_early = [0.025, 100, 120, 130, 140, 150, 160]
+    assert measures.variance_growth_from_first(jump_late) > 1000 * measures.variance_growth_from_first(jump_early) / 2
+    assert measures.variance_growth(jump_late) == measures.variance_growth(jump_early) == pytest.approx(160 / 130)
 
 
 def test_slope_by_seed_recovers_a_known_slope_and_skips_missing_depths():

@@ -45,9 +45,11 @@ from utils.study.sweep import (
     paired_differences,
     plot_against,
     plot_gap,
+    resting_sentence,
     slope_by_seed,
     slope_verdict,
     train_flags,
+    with_evidence,
     write_config,
 )
 
@@ -215,8 +217,10 @@ def train_loss_between_evals(probe: dict) -> list[float | None]:
 def measure_slope_verdicts(axis: Axis, records, predictions) -> list[verdicts.Verdict]:
     """Per prediction (claim, norm, measure, direction, log), the per-seed slopes of the measure against ln of the
     swept value, judged against zero."""
-    return [slope_verdict(f"{claim} (slope of {'ln ' if log_values else ''}the measure vs ln {axis.symbol})",
-                          direction, slope_by_seed(measure_by_value(axis, records, norm, measure), log_values))
+    return [with_evidence(slope_verdict(f"{claim} (slope of {'ln ' if log_values else ''}the measure vs ln "
+                                        f"{axis.symbol})", direction,
+                                        slope_by_seed(measure_by_value(axis, records, norm, measure), log_values)),
+                          axis.values, axis.symbol)
             for claim, norm, measure, direction, log_values in predictions]
 
 
@@ -236,16 +240,18 @@ def depth_verdicts(args, records) -> list[verdicts.Verdict]:
     gap = {depth: {seed: -difference for seed, difference in per_seed.items()}  # Pre-LN − LNS: the advantage
            for depth, per_seed in paired_differences(axis, records, "eval_loss").items()}
     return [*measure_slope_verdicts(axis, records, measured_predictions(axis, records)),
-            slope_verdict("LNS's advantage (Pre-LN − LNS eval loss) grows with depth (slope vs ln L)", +1,
-                          slope_by_seed(gap, False))]
+            with_evidence(slope_verdict("LNS's advantage (Pre-LN − LNS eval loss) grows with depth (slope vs ln L)",
+                                        +1, slope_by_seed(gap, False)), axis.values)]
 
 
 def lns_own_slopes(axis: Axis, records) -> dict[str, verdicts.Verdict]:
     """Per measure of a Pre-LN prediction, LNS's own slope of it, judged in the same direction: a Pre-LN-only slope
     is not the paper's claim when LNS's own slope goes the same way."""
     lns_measures = measured_for(axis, records, "lns")
-    return {measure: slope_verdict(f"LNS's own slope of {'ln ' if log_values else ''}the same measure", direction,
-                                   slope_by_seed(measure_by_value(axis, records, "lns", measure), log_values))
+    return {measure: with_evidence(slope_verdict(f"LNS's own slope of {'ln ' if log_values else ''}the same measure",
+                                                 direction, slope_by_seed(measure_by_value(axis, records, "lns",
+                                                                                           measure), log_values)),
+                                   axis.values, axis.symbol)
             for _, _, measure, direction, log_values in measured_predictions(axis, records)
             if measure in lns_measures}
 
@@ -315,8 +321,8 @@ def comparative_verdicts(axis: Axis, records) -> list[Comparison]:
                                                                 verdicts.NOT_MEASURABLE, reason)
                                                for claim in (gap_claim, ratio_claim))))
             continue
-        ratio = slope_verdict(ratio_claim, direction,
-                              slope_by_seed(paired_differences(axis, records, measure, log_ratio=True), False))
+        ratio = with_evidence(slope_verdict(ratio_claim, direction, slope_by_seed(
+            paired_differences(axis, records, measure, log_ratio=True), False)), axis.values, axis.symbol)
         left_out = nonpositive_pairs(axis, records, measure)
         if left_out:
             note = ("the log ratio leaves out the pairs where a value is 0 or below (" + "; ".join(
@@ -326,7 +332,9 @@ def comparative_verdicts(axis: Axis, records) -> list[Comparison]:
             ratio.reason = f"{ratio.reason}; {note}" if ratio.reason else note
         found.append(Comparison(
             measure,
-            slope_verdict(gap_claim, direction, slope_by_seed(paired_differences(axis, records, measure), False)),
+            with_evidence(slope_verdict(gap_claim, direction,
+                                        slope_by_seed(paired_differences(axis, records, measure), False)),
+                          axis.values, axis.symbol),
             ratio))
     return found
 
@@ -391,8 +399,10 @@ def comparative_section(comparisons: list[Comparison]) -> str:
 def arm_loss_verdicts(axis: Axis, records) -> dict[str, verdicts.Verdict]:
     """Per arm, does adding layers lower the eval loss? The per-seed slope of the eval loss against ln of the swept
     value, judged against zero (direction -1: depth helps)."""
-    return {norm: slope_verdict(f"{label}'s eval loss falls with {axis.noun} (slope vs ln {axis.symbol})", -1,
-                                slope_by_seed(measure_by_value(axis, records, norm, "eval_loss"), False))
+    return {norm: with_evidence(slope_verdict(f"{label}'s eval loss falls with {axis.noun} (slope vs ln "
+                                              f"{axis.symbol})", -1,
+                                              slope_by_seed(measure_by_value(axis, records, norm, "eval_loss"), False)),
+                                axis.values, axis.symbol)
             for norm, label in NORMS.items()}
 
 
@@ -685,6 +695,7 @@ def write_report(args, records, skipped, started, argv, probe: dict | None = Non
     gaps = gap_verdicts(axis, records)
     rivals = rival_verdicts(args, records)
     probe_text, probe_summary = probe_section(args, probe, out, suffix)
+    resting = f" {resting_sentence(axis.values)}" if resting_sentence(axis.values) else ""
     by_depth_png = plot_against(axis, records, out / f"measures_vs_depth{suffix}.png")
     gap_png = plot_gap(gaps, depths, out / f"loss_gap_vs_depth{suffix}.png")
     dynamics = {}
@@ -708,7 +719,7 @@ LNS's*. For each deep-layer measure, the gap LNS − Pre-LN and the log ratio ln
 every depth, and each is fitted per seed against ln L; the verdict is the slope's 95% Student-t interval over seeds,
 judged in the direction the paper predicts. The gap and the ratio can disagree: when both arms' values shrink toward
 zero as L grows, their gap narrows while their ratio need not move, and only a ratio moving the paper's way means
-that LNS's deep layers become relatively more active.
+that LNS's deep layers become relatively more active.{resting}
 
 {comparative_section(comparisons)}{one_seed_text(axis, single) if single else ""}
 
@@ -717,7 +728,7 @@ that LNS's deep layers become relatively more active.
 Each verdict is a slope against ln L, fitted per seed over the depths, with a 95% Student-t interval over seeds.
 **reproduced** means the predicted sign AND an interval that excludes zero; **inside noise** means the interval
 contains zero; **opposite** means it excludes zero the other way. A Pre-LN slope alone is not the paper's claim
-when LNS's own slope goes the same way: the comparative verdicts above are.
+when LNS's own slope goes the same way: the comparative verdicts above are.{resting}
 
 {prediction_lines(axis, records, predictions, own)}
 

@@ -182,7 +182,7 @@ def measure_slopes_table(axis: Axis, records) -> str:
     the paper makes no width prediction)."""
     rows = [f"| measure | Pre-LN: slope vs ln {axis.symbol} | LNS: slope vs ln {axis.symbol} |", "|---|---|---|"]
     for measure, title in measures.measures_in(records).items():
-        log_values = measure == "variance_growth"
+        log_values = measure in measures.GROWTH_MEASURES
         cells = [interval_text(list(sweep.slope_by_seed(
             sweep.measure_by_value(axis, records, norm, measure), log_values).values())) for norm in NORMS]
         rows.append(f"| {'ln ' if log_values else ''}{title} | " + " | ".join(cells) + " |")

@@ -17,26 +17,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
-
-import numpy as np
 
 from peft_pretraining.cli import OneLineErrorParser
 from utils.study import lr_grid, verdicts
 from utils.study.measures import by_seed
 from utils.study.plots import pyplot
 from utils.study.runs import REPO, read_record
-from utils.study.sweep import NORMS, slope_by_seed, slope_verdict
+from utils.study.sweep import NORMS, evidence_note, slope_by_seed, slope_verdict
 
 # Flags that differ between the runs of one map: a run's point (its updates and warmup, its depth's config, its
 # arm) and its seed. The rate is not among them: the map's folders share one.
 PER_RUN_FLAGS = ("--seed", "--norm_type", "--num_training_steps", "--warmup_steps")
 DEFAULT_OUT = REPO / "docs/depth_sweep_wikipedia_budget_map"
-# An interval that excludes zero by less than this fraction of its half-width is called "barely" excluding it: a
-# small change of one seed would bring zero inside.
-BARELY = 0.1
 
 
 def flag(record: dict, name: str) -> str:
@@ -125,41 +119,6 @@ def interval_text(summary: dict, digits: int = 3) -> str:
     return f"{mean} [{low}, {high}] ({summary['n']})"
 
 
-def slope_weights(depths: list[int]) -> dict[int, float]:
-    """Each depth's weight in a least-squares slope against ln L (the weights sum to zero). With L = 6, 12, 24, evenly
-    spaced in ln L, the middle depth's weight is zero: the slope is (y(24) − y(6)) / ln 4."""
-    x = np.log(np.asarray(depths, dtype=float))
-    centred = x - x.mean()
-    return {d: float(w) for d, w in zip(depths, centred / np.sum(centred ** 2))}
-
-
-def resting_depths(depths: list[int]) -> list[int]:
-    """The depths a least-squares slope over `depths` gives a weight to (not ~0)."""
-    weights = slope_weights(depths)
-    largest = max(abs(w) for w in weights.values())
-    return [d for d, w in weights.items() if abs(w) > 1e-9 * largest]
-
-
-def evidence_note(verdict: verdicts.Verdict, depths: list[int]) -> str:
-    """What a slope verdict rests on, in words: its depths, its seeds (and the one-sided sign test of their
-    agreement), and an interval that excludes zero only barely."""
-    notes = []
-    resting = resting_depths(depths)
-    if len(resting) < len(depths):
-        notes.append(f"rests on L = {' and '.join(map(str, resting))} only (with {len(depths)} depths evenly spaced in "
-                     "ln L the others weigh nothing)")
-    if verdict.effect is not None:
-        n, k = verdict.n_pairs, verdict.n_agree
-        majority = max(k, n - k)
-        p = sum(math.comb(n, i) for i in range(majority, n + 1)) / 2 ** n
-        notes.append(f"{k} of {n} seeds go the claim's way; a one-sided sign test of {majority} of {n} seeds "
-                     f"agreeing in sign is p = {p:.3g}")
-        nearer = min(abs(verdict.low), abs(verdict.high))
-        if verdict.status != verdicts.INSIDE_NOISE and nearer < BARELY * (verdict.high - verdict.low) / 2:
-            notes.append("the interval barely excludes zero (by less than a tenth of its half-width)")
-    return "; ".join(notes)
-
-
 def lead_slope(lead: dict[int, dict[int, float]], depths: list[int], claim: str) -> tuple[verdicts.Verdict, dict]:
     """The lead's slope against ln L over `depths`, per seed, judged over seeds (+1: the lead grows with depth);
     also the per-seed slopes."""
@@ -167,13 +126,14 @@ def lead_slope(lead: dict[int, dict[int, float]], depths: list[int], claim: str)
     return slope_verdict(claim, +1, slopes), slopes
 
 
-def arm_slopes(records: dict[str, dict], depths: list[int], updates: int) -> dict[str, verdicts.Verdict]:
-    """Per arm: does adding layers lower the eval loss at this budget (the slope against ln L, -1: depth pays)?"""
+def arm_slopes(records: dict[str, dict], depths: list[int], updates: int) -> dict[str, tuple]:
+    """Per arm: does adding layers lower the eval loss at this budget (the slope against ln L, -1: depth pays)?
+    (the verdict, the per-seed slopes)."""
     found = {}
     for norm, label in NORMS.items():
-        table = {d: by_seed(records, f"L{d}-{norm}", "eval_loss") for d in depths}
-        found[norm] = slope_verdict(f"{updates:,} updates: {label}'s eval loss falls with depth (slope vs ln L)", -1,
-                                    slope_by_seed(table, False))
+        slopes = slope_by_seed({d: by_seed(records, f"L{d}-{norm}", "eval_loss") for d in depths}, False)
+        found[norm] = (slope_verdict(f"{updates:,} updates: {label}'s eval loss falls with depth (slope vs ln L)", -1,
+                                     slopes), slopes)
     return found
 
 
@@ -324,10 +284,12 @@ def plot(entries: dict[int, dict], best: list[dict], best_updates: int | None, p
     return path
 
 
-def verdict_cell(v: verdicts.Verdict) -> str:
-    if v.effect is None:
-        return v.status
-    return f"{v.effect:+.4f} [{v.low:+.4f}, {v.high:+.4f}], {v.n_pairs} seeds: {v.status}"
+def verdict_cell(v: verdicts.Verdict, slopes: dict[int, float | None] | None = None) -> str:
+    """A slope verdict in a table cell; without an interval (one seed), each seed's own slope as a sign."""
+    if v.effect is not None:
+        return f"{v.effect:+.4f} [{v.low:+.4f}, {v.high:+.4f}], {v.n_pairs} seeds: {v.status}"
+    signs = [f"seed {seed}: {slope:+.4f}" for seed, slope in (slopes or {}).items() if slope is not None]
+    return f"{'; '.join(signs)} (one seed: a sign, no interval)" if signs else v.status
 
 
 def map_table(entries: dict[int, dict]) -> str:
@@ -337,9 +299,9 @@ def map_table(entries: dict[int, dict]) -> str:
              "|---|" + "---|" * (len(depths) + 3)]
     for updates, e in entries.items():
         leads = [interval_text(e["lead_summary"][d]) if d in e["depths"] else "not trained" for d in depths]
-        pays = [verdict_cell(e["arm_slopes"][norm]) for norm in NORMS]
+        pays = [verdict_cell(*e["arm_slopes"][norm]) for norm in NORMS]
         lines.append(f"| {updates:,} ({e['tokens'] / 1e6:.1f}M) | " + " | ".join(leads)
-                     + f" | {verdict_cell(e['slope'])} | " + " | ".join(pays) + " |")
+                     + f" | {verdict_cell(e['slope'], e['slopes'])} | " + " | ".join(pays) + " |")
     return "\n".join(lines)
 
 
@@ -416,7 +378,7 @@ def write(folders: list[Path], grid_folders: list[Path], out: Path, argv: list[s
                                          lead={str(d): {str(s): v for s, v in per.items()}
                                                for d, per in e["lead"].items()},
                                          slope=e["slope"].as_dict(), slope_note=e["slope_note"],
-                                         depth_pays={n: v.as_dict() for n, v in e["arm_slopes"].items()})
+                                         depth_pays={n: v.as_dict() for n, (v, _) in e["arm_slopes"].items()})
                             for u, e in entries.items()},
                    interactions=[dict(i, difference=i["difference"].as_dict()) for i in interactions],
                    best_rates=[dict(b, lead={str(s): v for s, v in b["lead"].items()}, verdict=b["verdict"].as_dict())

@@ -15,13 +15,28 @@ def deep_half(values: list) -> list[float]:
     return [float(v) for v in tail if v is not None and math.isfinite(v)]
 
 
+def variance_growth(variance: list[float]) -> float:
+    """The stream's variance growth over the deeper half of the layers: the last layer's output variance over the
+    variance leaving layer L // 2. Both ends lie past the first blocks, whose jumps vary from run to run (a first
+    block that barely moves the stream makes last / first read in the thousands while its successor makes the
+    jump), and the deeper half is where the paper places the curse of depth."""
+    middle = (len(variance) - 1) // 2
+    return variance[-1] / variance[middle] if middle >= 1 and variance[middle] > 0 else float("nan")
+
+
+def variance_growth_from_first(variance: list[float]) -> float:
+    """The older measure, kept beside it: the last layer's output variance over the first layer's."""
+    return variance[-1] / variance[1] if len(variance) > 2 and variance[1] > 0 else float("nan")
+
+
 def summarise_analysis(analysis: dict) -> dict:
     """The scalar measures of one analysed checkpoint."""
     variance = analysis["variance"]
     removal = analysis["removal_nats"]
     gains = analysis["norm_gains"]["per_layer"]
     return dict(
-        variance_growth=variance[-1] / variance[1] if len(variance) > 2 and variance[1] > 0 else float("nan"),
+        variance_growth=variance_growth(variance),
+        variance_growth_from_first=variance_growth_from_first(variance),
         angular_deep=float(np.mean(deep_half(analysis["angular_next"]) or [float("nan")])),
         removal_deep=float(np.mean(deep_half(removal))),
         cheap_removal_fraction=float(np.mean([v < CHEAP_REMOVAL_NATS for v in removal])),
@@ -55,7 +70,8 @@ def document_measures(record: dict) -> dict | None:
 
 MEASURES = {
     "eval_loss": "eval loss (nats/token)",
-    "variance_growth": "variance growth, last layer / first",
+    "variance_growth": "variance growth over the deeper half, last layer / layer L/2",
+    "variance_growth_from_first": "variance growth, last layer / first (the older measure)",
     "angular_deep": "deep-half angular distance d(l, l+1)/pi",
     "removal_deep": "deep-half removal cost (nats/word)",
     "cheap_removal_fraction": "fraction of layers with removal cost < 1% ppl",
@@ -66,6 +82,8 @@ MEASURES = {
     "relative_prediction_depth": "mean prediction depth / L (logit lens)",
 }
 
+# ratios that span orders of magnitude: plotted on a log scale, and fitted as ln(growth) against ln of a swept value
+GROWTH_MEASURES = ("variance_growth", "variance_growth_from_first")
 # records analysed before a measure existed lack it
 LATER_MEASURES = ("bi_deep", "lens_kl_deep", "relative_prediction_depth")
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from utils.study.measures import MEASURES, finite_or_none, measures_at, measures_in
+from utils.study.measures import GROWTH_MEASURES, MEASURES, finite_or_none, measures_at, measures_in
 
 
 def pyplot():
@@ -55,7 +55,7 @@ def plot_dynamics(records: dict[str, dict], arms: dict[str, str], path: Path, me
                             color=line.get_color())
         ax.set_title(MEASURES[measure], fontsize=9)
         ax.set_xlabel("update step")
-        if measure == "variance_growth":  # early in training the first layer's variance is tiny: ratios in the 1000s
+        if measure in GROWTH_MEASURES:  # early in training the first layer's variance is tiny: ratios in the 1000s
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
     return finish_grid(fig, axes, len(measures), "Training dynamics (line: mean over seeds; band: min to max)", path)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from utils.study import verdicts
-from utils.study.measures import MEASURES, by_seed, measures_in
+from utils.study.measures import GROWTH_MEASURES, MEASURES, by_seed, measures_in
 from utils.study.plots import finish_grid, pyplot
 from utils.study.runs import REPO, dataset_flags, peak_lr
 
@@ -83,6 +83,68 @@ def slope_by_seed(table: dict[int, dict[int, float | None]], log_values: bool) -
     return slopes
 
 
+# An interval that excludes zero by less than this fraction of its half-width is called "barely" excluding it: a
+# small change of one seed would bring zero inside.
+BARELY = 0.1
+
+
+def slope_weights(depths: list[int]) -> dict[int, float]:
+    """Each depth's weight in a least-squares slope against ln L (the weights sum to zero). With L = 6, 12, 24, evenly
+    spaced in ln L, the middle depth's weight is zero: the slope is (y(24) − y(6)) / ln 4."""
+    x = np.log(np.asarray(depths, dtype=float))
+    centred = x - x.mean()
+    return {d: float(w) for d, w in zip(depths, centred / np.sum(centred ** 2))}
+
+
+def resting_depths(depths: list[int]) -> list[int]:
+    """The depths a least-squares slope over `depths` gives a weight to (not ~0)."""
+    weights = slope_weights(depths)
+    largest = max(abs(w) for w in weights.values())
+    return [d for d, w in weights.items() if abs(w) > 1e-9 * largest]
+
+
+def resting_sentence(values: list[int], symbol: str = "L") -> str:
+    """One sentence, when a least-squares slope over `values` gives some of them no weight: which values it rests
+    on. '' otherwise."""
+    resting = resting_depths(values)
+    if len(resting) == len(values):
+        return ""
+    return (f"With {symbol} = {', '.join(map(str, values))} evenly spaced in ln {symbol}, every slope below rests on "
+            f"{symbol} = {' and '.join(map(str, resting))} only: the least-squares fit gives the others no weight.")
+
+
+def evidence_note(verdict: verdicts.Verdict, values: list[int], sign_test: bool = True, symbol: str = "L",
+                  resting: bool = True) -> str:
+    """What a slope verdict over the swept `values` rests on, in words: (with `resting`) the values that weigh in it,
+    its seeds (with `sign_test`, the one-sided sign test of their agreement), and an interval that excludes zero only
+    barely."""
+    notes = []
+    weighed = resting_depths(values)
+    if resting and len(weighed) < len(values):
+        notes.append(f"rests on {symbol} = {' and '.join(map(str, weighed))} only (with {len(values)} values evenly "
+                     f"spaced in ln {symbol} the others weigh nothing)")
+    if verdict.effect is not None and sign_test:
+        n, k = verdict.n_pairs, verdict.n_agree
+        majority = max(k, n - k)
+        p = sum(math.comb(n, i) for i in range(majority, n + 1)) / 2 ** n
+        notes.append(f"{k} of {n} seeds go the claim's way; a one-sided sign test of {majority} of {n} seeds "
+                     f"agreeing in sign is p = {p:.3g}")
+    if verdict.effect is not None:
+        nearer = min(abs(verdict.low), abs(verdict.high))
+        if verdict.status != verdicts.INSIDE_NOISE and nearer < BARELY * (verdict.high - verdict.low) / 2:
+            notes.append("the interval barely excludes zero (by less than a tenth of its half-width)")
+    return "; ".join(notes)
+
+
+def with_evidence(verdict: verdicts.Verdict, values, symbol: str = "L") -> verdicts.Verdict:
+    """The slope verdict with evidence_note added to its reason, without the sign test and the values it rests on
+    (a report says those once: resting_sentence)."""
+    note = evidence_note(verdict, list(values), sign_test=False, symbol=symbol, resting=False)
+    if note:
+        verdict.reason = f"{verdict.reason}; {note}" if verdict.reason else note
+    return verdict
+
+
 def slope_verdict(claim: str, direction: int, slopes: dict[int, float | None]) -> verdicts.Verdict:
     """The per-seed slopes against zero: a one-sample t interval over seeds (judge_seeds against a zero arm). A seed
     without a slope has fewer than two swept values measured (a sweep part-way through), not a diverged run."""
@@ -136,10 +198,10 @@ def plot_against(axis: Axis, records, path: Path) -> Path:
             if xs:
                 ax.errorbar(xs, means, yerr=errors, marker="o", markersize=4, capsize=3, label=label)
         ax.set_xscale("log", base=2)
-        if measure == "variance_growth":
+        if measure in GROWTH_MEASURES:
             ax.set_yscale("log")  # Pre-LN's growth spans orders of magnitude across depths
         ax.set_xticks(depths, [str(d) for d in depths])
-        ax.set_title(MEASURES[measure] + (" (log scale)" if measure == "variance_growth" else ""),
+        ax.set_title(MEASURES[measure] + (" (log scale)" if measure in GROWTH_MEASURES else ""),
                      fontsize=9)
         ax.set_xlabel(axis.label)
         ax.grid(alpha=0.3)
