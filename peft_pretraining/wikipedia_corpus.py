@@ -113,11 +113,11 @@ def read_wikiextractor_file(path: pathlib.Path) -> Iterator[tuple[int, dict]]:
             opening = _DOC_HEADER.fullmatch(line)
             if opening:
                 if header:
-                    raise ValueError(f"{path}:{number}: a <doc> opens before the one at line {header[0]} is closed")
+                    raise ValueError(f"{path.name}:{number}: a <doc> opens before line {header[0]}'s is closed")
                 header, lines = (number, opening), []
             elif line == _DOC_END:
                 if not header:
-                    raise ValueError(f"{path}:{number}: {_DOC_END} without a <doc> header before it")
+                    raise ValueError(f"{path.name}:{number}: {_DOC_END} without a <doc> header before it")
                 page_id, url, title = header[1].groups()
                 title = html.unescape(title)
                 yield int(page_id), {"text": article_text(lines, title), "title": title, "url": html.unescape(url)}
@@ -125,9 +125,9 @@ def read_wikiextractor_file(path: pathlib.Path) -> Iterator[tuple[int, dict]]:
             elif header:
                 lines.append(line)
             elif line.strip():
-                raise ValueError(f"{path}:{number}: text outside <doc> ... {_DOC_END}")
+                raise ValueError(f"{path.name}:{number}: text outside <doc> ... {_DOC_END}")
     if header:
-        raise ValueError(f"{path}: the <doc> at line {header[0]} is never closed")
+        raise ValueError(f"{path.name}: the <doc> at line {header[0]} is never closed")
 
 
 def split_articles(records: list[dict]) -> tuple[list[list[dict]], list[dict]]:
@@ -169,8 +169,15 @@ def build_corpus(source: pathlib.Path, out: pathlib.Path) -> dict:
         raise ValueError(f"--out {out}: exists and is not an empty folder; the corpus is only written to a new or "
                          "empty folder, so that nothing already there is overwritten")
     articles = []
-    for path in tqdm(files, desc="reading WikiExtractor files", unit="file"):
-        articles.extend(read_wikiextractor_file(path))
+    # leave=False: a bad file's error is then the only line left on the terminal
+    with tqdm(files, desc="reading WikiExtractor files", unit="file", leave=False) as bar:
+        for path in bar:
+            try:
+                articles.extend(read_wikiextractor_file(path))
+            except UnicodeDecodeError as error:
+                raise ValueError(f"--source {source}: {path.name} is not UTF-8 text ({error})") from error
+            except ValueError as error:
+                raise ValueError(f"--source {source}: {error}") from error
     articles.sort(key=lambda article: article[0])
     kept = [record for _, record in articles if len(record["text"]) >= MIN_ARTICLE_CHARS]
     if len(kept) < VALIDATION_EVERY:
