@@ -45,8 +45,7 @@ SINGLE_PASS_UPDATES = {(16, 128): {1: 11_076, 2: 11_095, 3: 11_081}}
 VALIDATION_FILE = "validation.jsonl.gz"
 TRAIN_FOLDER = "train"
 SOURCE = ("5,907 English Wikipedia articles (CC BY-SA 3.0), WikiExtractor output of the GitHub repository "
-          "jason-feng/wikiVisual (text/AA, commit 1c0fac9); build it from there with `python -m "
-          "peft_pretraining.wikipedia_corpus build-corpus --source .../text/AA --out DIR` (docs/data.md)")
+          "jason-feng/wikiVisual (text/AA, commit 1c0fac9)")
 # The build from WikiExtractor output: the source's files, the articles kept and how they are split.
 SOURCE_FILES = "wiki_*"
 MIN_ARTICLE_CHARS = 200  # shorter articles (stubs, disambiguation pages) are left out, measured on the kept text
@@ -63,9 +62,10 @@ def wikipedia_dir() -> pathlib.Path:
 
 
 def absent_message(folder: pathlib.Path) -> str:
-    return (f"the Wikipedia corpus is not at {folder}: it is {SOURCE}, kept outside the repository; put it there, "
-            f"or set {DATA_DIR_VARIABLE} to any folder of the same shape (train/*.jsonl[.gz] of C4-style "
-            f"{{\"text\"}} lines, e.g. converted WikiExtractor output, and {VALIDATION_FILE} beside it)")
+    return (f"the Wikipedia corpus is not at {folder}: it is {SOURCE}, kept outside the repository; build it there "
+            f"with `python -m peft_pretraining.wikipedia_corpus build-corpus --source <wikiVisual>/text/AA --out "
+            f"{folder}` (docs/data.md), or set {DATA_DIR_VARIABLE} to any folder of the same shape "
+            f"(train/*.jsonl[.gz] of C4-style {{\"text\"}} lines and {VALIDATION_FILE} beside it)")
 
 
 def corpus_paths(folder: pathlib.Path | None = None) -> tuple[pathlib.Path, pathlib.Path]:
