@@ -48,7 +48,7 @@ SOURCE = ("5,907 English Wikipedia articles (CC BY-SA 3.0), WikiExtractor output
           "jason-feng/wikiVisual (text/AA, commit 1c0fac9)")
 # The build from WikiExtractor output: the source's files, the articles kept and how they are split.
 SOURCE_FILES = "wiki_*"
-MIN_ARTICLE_CHARS = 200  # shorter articles (stubs, disambiguation pages) are left out, measured on the kept text
+MIN_ARTICLE_CHARS = 200  # shorter articles are left out, counted in characters of the text that would be kept
 VALIDATION_EVERY = 20  # the 20th, 40th, ... article in page-id order is held out whole
 TRAIN_SHARDS = 10
 _DOC_HEADER = re.compile(r'<doc id="(\d+)" url="([^"]*)" title="([^"]*)">')
