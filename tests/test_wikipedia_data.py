@@ -66,7 +66,7 @@ def test_absent_corpus_is_one_line_naming_its_source_and_the_way_around(tmp_path
     assert exit_info.value.code == 2
     message = capsys.readouterr().err
     assert message.count("\n") == 1 and message.split(": error: ", 1)[1].startswith("--dataset wikipedia: ")
-    for needed in (str(tmp_path / "nowhere"), "PROVENANCE", "CC BY-SA", wikipedia_corpus.DATA_DIR_VARIABLE,
+    for needed in (str(tmp_path / "nowhere"), "build-corpus", "CC BY-SA", wikipedia_corpus.DATA_DIR_VARIABLE,
                    "WikiExtractor", "C4-style"):
         assert needed in message, needed
 
