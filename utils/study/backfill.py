@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from peft_pretraining.cli import OneLineErrorParser
-from peft_pretraining.run_folder import write_json_atomic
+from utils.study import records as record_store
 from utils.study import runs
 from utils.study.host import machine_description
 
@@ -136,14 +136,15 @@ def candidates(args, into: Path) -> list[tuple[Path, dict]]:
     """(committed record's path, the same run's record to take measures from), for every record that has one."""
     found = []
     if args.retrained:
-        for path in sorted(Path(args.retrained).glob("*.json")):
-            if (into / path.name).exists():
-                found.append((into / path.name, json.loads(path.read_text())))
+        for path in record_store.paths_in(Path(args.retrained)):
+            committed = record_store.find(into, record_store.name_of(path))
+            if committed is not None:
+                found.append((committed, record_store.read(path)))
         return found
     from tqdm.auto import tqdm
 
-    for path in tqdm(sorted(into.glob("*.json")), desc="re-analysing", unit="run", dynamic_ncols=True):
-        record, run_dir = json.loads(path.read_text()), Path(args.reanalyse) / path.stem
+    for path in tqdm(record_store.paths_in(into), desc="re-analysing", unit="run", dynamic_ncols=True):
+        record, run_dir = record_store.read(path), Path(args.reanalyse) / record_store.name_of(path)
         if record.get("analyses") and all((run_dir / f"model_{step}").is_dir() for step in record["analyses"]):
             found.append((path, reanalysed(record, run_dir)))
         else:
@@ -165,13 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     updates = {}
     for path, other in candidates(args, into):
         try:
-            record = backfilled(json.loads(path.read_text()), other, args.rtol, args.atol)
+            record = backfilled(record_store.read(path), other, args.rtol, args.atol)
         except Disagreement as error:
             parser.error(f"{source}: {path.name} is not the same run as its record: {error}")
         if record is not None:
             updates[path] = record
     for path, record in updates.items():  # only once every candidate has been checked
-        write_json_atomic(path, record, indent=1)
+        record_store.write(path.parent, record_store.name_of(path), record)
         info = record["backfilled"][-1]
         print(f"{path}: added {', '.join(info['measures'])} ({info['values_compared']} values agree, at most "
               f"{info['max_relative_difference']:.1e} relative and {info['max_absolute_difference']:.1e} absolute)")

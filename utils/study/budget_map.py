@@ -22,9 +22,10 @@ from pathlib import Path
 
 from peft_pretraining.cli import OneLineErrorParser
 from utils.study import lr_grid, verdicts
+from utils.study import records as record_store
 from utils.study.measures import by_seed
 from utils.study.plots import pyplot
-from utils.study.runs import REPO, read_record
+from utils.study.runs import REPO
 from utils.study.sweep import NORMS, evidence_note, slope_by_seed, slope_verdict
 
 # Flags that differ between the runs of one map: a run's point (its updates and warmup, its depth's config, its
@@ -45,17 +46,17 @@ def updates_of(record: dict) -> int:
 def read_folder(folder: Path) -> dict[str, dict]:
     """{run name: record} of a folder's Pre-LN and LNS runs (rivals are left out). ValueError naming the file for a
     record that does not read."""
-    paths = sorted((folder / "runs").glob("*.json"))
+    paths = record_store.paths_in(folder / "runs")
     if not paths:
         raise ValueError(f"{folder}: no run records in {folder / 'runs'}")
     found = {}
     for path in paths:
-        record = read_record(path)
+        record = record_store.read_or_none(path)
         if record is None or "flags" not in record or "arm" not in record:
             raise ValueError(f"{path}: not a readable run record")
         match = lr_grid.ARM.fullmatch(record["arm"])
         if match and match[2] in NORMS:
-            found[path.stem] = record
+            found[record_store.name_of(path)] = record
     return found
 
 
@@ -71,16 +72,16 @@ def read_map(folders: list[Path]) -> tuple[dict[int, dict[str, dict]], float, di
         (updates,) = steps
         if updates in budgets:
             raise ValueError(f"{folder}: a second folder of the {updates:,}-update budget (after {folder_of[updates]})")
-        for path_stem, record in records.items():
+        for name, record in records.items():
             record_shape = lr_grid.budget_of(record, PER_RUN_FLAGS)
             if shape is None:
-                shape, rate, first = record_shape, lr_grid.rate_of(record), folder / "runs" / f"{path_stem}.json"
+                shape, rate, first = record_shape, lr_grid.rate_of(record), record_store.find(folder / "runs", name)
             elif lr_grid.rate_of(record) != rate:
                 raise ValueError(f"{folder}: trained at lr {lr_grid.rate_of(record):g}, {first} at {rate:g}; the "
                                  "map's folders share one rate (give other rates with --grid)")
             elif record_shape != shape:
-                raise ValueError(f"{folder / 'runs' / path_stem}.json: trained or analysed unlike {first} (beyond the "
-                                 "budget, the depth, the arm and the seed)")
+                raise ValueError(f"{record_store.find(folder / 'runs', name)}: trained or analysed unlike {first} "
+                                 "(beyond the budget, the depth, the arm and the seed)")
         budgets[updates], folder_of[updates] = records, folder
     return dict(sorted(budgets.items())), rate, folder_of
 

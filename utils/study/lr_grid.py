@@ -30,9 +30,10 @@ import numpy as np
 
 from peft_pretraining.cli import OneLineErrorParser
 from utils.study import claims, verdicts
+from utils.study import records as record_store
 from utils.study.measures import by_seed
 from utils.study.plots import pyplot
-from utils.study.runs import read_record, recorded_settings
+from utils.study.runs import recorded_settings
 from utils.study.sweep import NORMS
 
 ARM = re.compile(r"L(\d+)-(\w+)")
@@ -68,11 +69,11 @@ def read_grid(folders: list[Path]) -> dict[str, dict]:
     another budget, and for two records of one point and seed."""
     grid, budget, first = {}, None, None
     for folder in folders:
-        paths = sorted((folder / "runs").glob("*.json"))
+        paths = record_store.paths_in(folder / "runs")
         if not paths:
             raise ValueError(f"{folder}: no run records in {folder / 'runs'}")
         for path in paths:
-            record = read_record(path)
+            record = record_store.read_or_none(path)
             if record is None or "flags" not in record or "arm" not in record:
                 raise ValueError(f"{path}: not a readable run record")
             match = ARM.fullmatch(record["arm"])

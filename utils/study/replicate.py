@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from peft_pretraining.cli import OneLineErrorParser
+from utils.study import records as record_store
 from utils.study.host import records_machines
 from utils.study.measures import MEASURES, finite_or_none, measures_at
 from utils.study.runs import recorded_settings
@@ -75,8 +76,8 @@ def read_report(folder: Path, which: str, suffix: str, parser: argparse.Argument
     summary = read_json(summary_path, which, parser)
     records = {}
     for name in summary.get("runs", []):
-        path = folder / "runs" / f"{name}.json"
-        if path.is_file():
+        path = record_store.find(folder / "runs", name)
+        if path is not None:
             records[name] = read_json(path, which, parser)
     return summary, records
 
@@ -84,7 +85,7 @@ def read_report(folder: Path, which: str, suffix: str, parser: argparse.Argument
 def read_json(path: Path, which: str, parser: argparse.ArgumentParser) -> dict:
     """A report's summary or record; one line naming the file if it is not JSON (a half-written or damaged file)."""
     try:
-        return json.loads(path.read_text())
+        return record_store.read(path)
     except ValueError as error:
         parser.error(f"{which}: {path} is not readable JSON ({error})")
 

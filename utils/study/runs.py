@@ -8,8 +8,8 @@ Runs and analyses go to the study's --device: the CPU (the default) or a CUDA GP
 identity, as the dtype is: the trainer's --device is in its flags and the analyses' device in its analysis settings
 (a record made before the device was recorded was made on the CPU).
 
-The record (`<out>/runs/<arm>-seed<seed>.json`) holds the run's flags, its eval curve, and every analysis at every
-analysed checkpoint, as small numbers. Records live beside the report and are committed with it, so a later
+The record (`<out>/runs/<arm>-seed<seed>.json.gz`, records.py) holds the run's flags, its eval curve, and every analysis
+at every analysed checkpoint, as small numbers. Records live beside the report and are committed with it, so a later
 invocation (on any machine) reuses finished runs instead of retraining them; checkpoints stay in the runs folder.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from peft_pretraining.run_folder import write_json_atomic
+from utils.study import records as record_store
 from utils.study.host import machine_description
 
 REPO = Path(__file__).resolve().parents[2]
@@ -157,13 +157,6 @@ class PastDeadline(RuntimeError):
     pass
 
 
-def read_record(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def record_matches(record: dict | None, spec: RunSpec, settings: AnalysisSettings) -> bool:
     return (record is not None and record.get("version") == RECORD_VERSION and record.get("flags") == spec.flags()
             and recorded_settings(record) == dataclasses.asdict(settings)
@@ -194,8 +187,7 @@ def run_job(spec: RunSpec, settings: AnalysisSettings, runs_dir: Path, records_d
 
     Without keep_checkpoints the run's checkpoints are deleted once its record is written (a GPU sweep's widest
     runs save gigabytes each); the record is all a report reads."""
-    record_path = records_dir / f"{spec.name}.json"
-    record = read_record(record_path)
+    record = record_store.read_or_none(record_store.find(records_dir, spec.name))
     if not fresh and record_matches(record, spec, settings):
         return dict(record, reused="record")
     if deadline is not None and time.time() > deadline:
@@ -244,8 +236,7 @@ def run_job(spec: RunSpec, settings: AnalysisSettings, runs_dir: Path, records_d
                   device=settings.device,
                   analysis_seconds=round(time.perf_counter() - analysis_started, 1),
                   **curves_from_metrics(run_dir / "metrics.jsonl"), analyses=analyses)
-    record_path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(record_path, record, indent=1)
+    record_store.write(records_dir, spec.name, record)
     if not keep_checkpoints:
         for checkpoint in run_dir.glob("model_*"):
             shutil.rmtree(checkpoint, ignore_errors=True)
@@ -364,7 +355,7 @@ def load_records(specs: list[RunSpec], settings: AnalysisSettings, records_dir: 
     """The records that exist and match their spec (for --report_only)."""
     found = {}
     for spec in specs:
-        record = read_record(records_dir / f"{spec.name}.json")
+        record = record_store.read_or_none(record_store.find(records_dir, spec.name))
         if record_matches(record, spec, settings):
             found[spec.name] = dict(record, reused="record")
     return found

@@ -1,0 +1,125 @@
+"""Run records on disk: one gzipped, unindented JSON file per run, `<folder>/<run name>.json.gz`.
+
+A record holds a run's flags, curves and every analysis; the reports read nothing else, so records are most of what
+the repository stores. Gzipped compact JSON is about a third of the indented size; floats keep their full repr, so
+a report rebuilt from a stored record is byte-identical to one rebuilt from the record in memory. The gzip header
+carries no timestamp, so writing the same record twice gives the same bytes.
+
+Folders written before this format hold `<run name>.json` records; they are read as they are, and
+
+    python -m utils.study.records convert docs/study/runs ...
+
+rewrites them in place (each is read back and compared before its old file is removed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import sys
+from pathlib import Path
+
+SUFFIX = ".json.gz"
+OLD_SUFFIX = ".json"
+
+
+def path_for(folder: Path, name: str) -> Path:
+    """Where the record of run `name` is written."""
+    return Path(folder) / f"{name}{SUFFIX}"
+
+
+def find(folder: Path, name: str) -> Path | None:
+    """The stored record of run `name`: its current file, else one in the older format, else None."""
+    for path in (path_for(folder, name), Path(folder) / f"{name}{OLD_SUFFIX}"):
+        if path.is_file():
+            return path
+    return None
+
+
+def name_of(path: Path) -> str:
+    """The run name of a record file, in either format."""
+    name = Path(path).name
+    return name[:-len(SUFFIX)] if name.endswith(SUFFIX) else Path(name).stem
+
+
+def paths_in(folder: Path) -> list[Path]:
+    """Every record in `folder`, sorted by run name; where a run has both formats, the current one."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = {name_of(path): path for path in folder.glob(f"*{OLD_SUFFIX}")}
+    found.update({name_of(path): path for path in folder.glob(f"*{SUFFIX}")})
+    return [found[name] for name in sorted(found)]
+
+
+def read(path: Path) -> dict:
+    """A record; OSError or ValueError (gzip, UTF-8 and JSON errors are all ValueErrors) if it does not read."""
+    path = Path(path)
+    data = path.read_bytes()
+    if path.name.endswith(SUFFIX):
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as error:
+            raise ValueError(f"{path}: not gzip ({error})") from error
+    return json.loads(data)
+
+
+def read_or_none(path: Path | None) -> dict | None:
+    try:
+        return read(path) if path is not None else None
+    except (OSError, ValueError):
+        return None
+
+
+def encode(record: dict) -> bytes:
+    return gzip.compress(json.dumps(record, separators=(",", ":")).encode(), compresslevel=9, mtime=0)
+
+
+def write(folder: Path, name: str, record: dict) -> Path:
+    """Write run `name`'s record atomically (a kill mid-write leaves the old record) and drop an older-format copy."""
+    path = path_for(folder, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_bytes(encode(record))
+    os.replace(partial, path)
+    Path(folder, f"{name}{OLD_SUFFIX}").unlink(missing_ok=True)
+    return path
+
+
+def convert(folder: Path) -> int:
+    """Rewrite a folder's older-format records in the current one; returns how many. A record whose compact copy
+    does not read back equal is left as it was (ValueError)."""
+    converted = 0
+    for path in sorted(Path(folder).glob(f"*{OLD_SUFFIX}")):
+        record = read(path)
+        data = encode(record)
+        if json.loads(gzip.decompress(data)) != record:
+            raise ValueError(f"{path}: its compact copy does not read back equal; left as it is")
+        write(folder, name_of(path), record)
+        converted += 1
+    return converted
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    convert_parser = commands.add_parser("convert", help="rewrite <name>.json records as <name>.json.gz")
+    convert_parser.add_argument("folders", nargs="+", type=Path, help="folders of run records (a report's runs/)")
+    args = parser.parse_args(argv)
+    for folder in args.folders:
+        if not folder.is_dir():
+            parser.error(f"folders: no folder {folder}")
+    for folder in args.folders:
+        try:
+            count = convert(folder)
+        except (OSError, ValueError) as error:
+            print(f"convert: {error}", file=sys.stderr)
+            return 1
+        print(f"{folder}: {count} record(s) converted")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
