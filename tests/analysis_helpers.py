@@ -81,3 +81,19 @@ def run_cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
                PYTHONPATH=str(REPO_ROOT), TOKENIZERS_PARALLELISM="false")
     return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def read_records(folder: Path) -> dict[str, dict]:
+    """{run name: record} of a report folder's runs/ (utils/study/records.py's format)."""
+    from utils.study import records
+
+    return {records.name_of(path): records.read(path) for path in records.paths_in(Path(folder) / "runs")}
+
+
+def write_records(folder: Path, runs: dict[str, dict]) -> Path:
+    """A report folder whose runs/ holds these records, written as the study writes them."""
+    from utils.study import records
+
+    for name, record in runs.items():
+        records.write(Path(folder) / "runs", name, record)
+    return Path(folder)

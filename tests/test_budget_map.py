@@ -1,10 +1,11 @@
 """The token budget x depth map (issue 64), on the committed 10,500-update Wikipedia records and copies of them
 retold as a shorter budget with known leads."""
 import json
-import pathlib
 
 import pytest
 
+from tests.analysis_helpers import read_records
+from tests.analysis_helpers import write_records as write_folder
 from utils.study import budget_map, runs, sweep, verdicts
 
 SWEEP = runs.REPO / "docs/depth_sweep_wikipedia_lr0.002"
@@ -12,7 +13,7 @@ GRID = [runs.REPO / f"docs/depth_sweep_wikipedia{suffix}" for suffix in ("", "_l
 
 
 def committed() -> dict[str, dict]:
-    return {path.stem: runs.read_record(path) for path in sorted((SWEEP / "runs").glob("*.json"))}
+    return read_records(SWEEP)
 
 
 def retold(records: dict[str, dict], updates: int, lead: dict[int, dict[int, float]]) -> dict[str, dict]:
@@ -28,13 +29,6 @@ def retold(records: dict[str, dict], updates: int, lead: dict[int, dict[int, flo
             pre = found[name.replace("-lns-", "-pre-")]["eval_curve"][-1][1]
             record["eval_curve"][-1][1] = pre - lead[depth][seed]
     return found
-
-
-def write_folder(folder: pathlib.Path, records: dict[str, dict]) -> pathlib.Path:
-    (folder / "runs").mkdir(parents=True)
-    for name, record in records.items():
-        (folder / "runs" / f"{name}.json").write_text(json.dumps(record))
-    return folder
 
 
 # a lead that grows with depth at every seed, by different amounts (so that the seeds do not agree exactly)

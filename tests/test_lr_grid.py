@@ -1,12 +1,13 @@
 """The depth sweep's learning-rate grid (issue 47), on the committed Wikipedia records and copies of them retold as
 runs at another rate."""
 import json
-import pathlib
 import shutil
 
 import pytest
 
-from utils.study import lr_grid, runs
+from tests.analysis_helpers import read_records
+from tests.analysis_helpers import write_records as write_folder
+from utils.study import lr_grid, records, runs
 
 RECORDS = runs.REPO / "docs/depth_sweep_wikipedia/runs"
 
@@ -26,15 +27,8 @@ def at_rate(record: dict, rate: str, shift: float, seed: int | None = None) -> d
     return record
 
 
-def write_folder(folder: pathlib.Path, records: dict[str, dict]) -> pathlib.Path:
-    (folder / "runs").mkdir(parents=True)
-    for name, record in records.items():
-        (folder / "runs" / f"{name}.json").write_text(json.dumps(record))
-    return folder
-
-
 def committed(name: str) -> dict:
-    return json.loads((RECORDS / f"{name}.json").read_text())
+    return records.read(records.find(RECORDS, name))
 
 
 def test_each_point_gets_its_best_rate_and_the_verdicts_compare_points_at_it(tmp_path):
@@ -126,7 +120,7 @@ def test_a_record_of_another_budget_is_one_line_naming_it(tmp_path, capsys, chan
     with pytest.raises(SystemExit) as exit_info:
         lr_grid.main([str(base), str(odd), "--out", str(tmp_path / "grid")])
     err = capsys.readouterr().err.strip()
-    assert exit_info.value.code == 2 and "\n" not in err and "odd/runs/L24-pre-seed1.json" in err and message in err
+    assert exit_info.value.code == 2 and "\n" not in err and "odd/runs/L24-pre-seed1.json.gz" in err and message in err
     assert not (tmp_path / "grid").exists()
 
 
@@ -158,7 +152,7 @@ def test_a_quick_depth_sweep_at_another_rate_reads_as_a_grid(tmp_path):
     subprocess.run([sys.executable, "utils/depth_sweep.py", "--quick", "--dtype", "float32", "--no-compile", "--seeds",
                     "1", "--lr", "2e-3", "--out", str(fast), "--runs_dir", str(tmp_path / "runs")], cwd=runs.REPO,
                    check=True, capture_output=True, text=True)
-    records = {path.stem: json.loads(path.read_text()) for path in (fast / "runs").glob("*.json")}
+    records = read_records(fast)
     assert {r["flags"][r["flags"].index("--lr") + 1] for r in records.values()} == {"0.002"}
     assert "Adam, lr 0.002," in (fast / "report.md").read_text()
     base = write_folder(tmp_path / "base", {name: at_rate(r, "1e-3", +0.01) for name, r in records.items()})

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.analysis_helpers import read_records
 from utils.study import measures, results_table, verdicts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,8 +92,7 @@ def records_evidence(runs_dir: Path) -> tuple[list[tuple], list]:
     of each measure's difference (and log ratio), either way round, over their common seeds and over the first two."""
     by_arm: dict[str, dict[int, dict]] = {}
     curves = []
-    for path in sorted(runs_dir.glob("*.json")) if runs_dir.is_dir() else []:
-        record = json.loads(path.read_text())
+    for record in read_records(runs_dir.parent).values():
         if record.get("status") == "finished" and "arm" in record:
             by_arm.setdefault(record["arm"], {})[record.get("seed")] = dict(
                 measures.measures_at(record), eval_loss=record["final_eval_loss"])
@@ -311,10 +311,10 @@ def test_every_number_in_the_study_pages_findings_is_in_a_report_they_cite(page,
 def test_the_check_computes_arm_pairs_from_the_records_and_catches_a_drifted_one():
     """A paragraph may set two arms side by side that no report table pairs (Peri-LN + LNS against Peri-LN): the
     check computes that interval from the records, to the printed digit."""
-    report = "docs/study/report_rivals.md"
+    report, study = "docs/study/report_rivals.md", read_records(REPO / "docs/study")
     effect, low, high = verdicts.paired_t_interval(
         [peri_lns - peri for peri_lns, peri in zip(*(
-            [json.loads((REPO / "docs/study/runs" / f"{arm}-seed{seed}.json").read_text())["final_eval_loss"]
+            [study[f"{arm}-seed{seed}"]["final_eval_loss"]
              for seed in (1, 2, 3)] for arm in ("peri_lns", "peri")))])
     honest = f"{effect:+.3f} [{low:+.4f}, {high:+.3f}]"
     assert unmatched(honest, [report]) == []

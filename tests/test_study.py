@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 import tqdm.auto
 
+from tests.analysis_helpers import read_records
 from utils import compare_norms, depth_sweep, width_sweep
 from utils.study import analyse, claims, host, measures, report, runs, sweep, verdicts
+from utils.study import records as record_store
 
 # Zero-mean per-seed noise for crafted records: paired differences that agree exactly at every seed are not
 # measurable (their t interval has no width), so a fixture that wants a verdict must vary across seeds.
@@ -134,11 +136,10 @@ def test_a_report_whose_pure_bf16_runs_diverged_before_their_checkpoint_is_writt
     """Pure-bf16 runs that diverged before the end have no analysed checkpoint, so no norm gains to report."""
     shutil.copytree(runs.REPO / "docs/study_mixed_compile/runs", tmp_path / "runs")
     for arm in ("pre_bf16", "lns_bf16"):
-        path = tmp_path / "runs" / f"{arm}-seed1.json"
-        record = json.loads(path.read_text())
+        record = record_store.read(record_store.find(tmp_path / "runs", f"{arm}-seed1"))
         record.update(status="diverged", last_step=150, final_eval_loss=None, analyses={},
                       eval_curve=[point for point in record["eval_curve"] if point[0] < 150])
-        path.write_text(json.dumps(record))
+        record_store.write(tmp_path / "runs", f"{arm}-seed1", record)
     assert compare_norms.main(["--report_only", "--out", str(tmp_path)]) == 0
     report = (tmp_path / "report.md").read_text()
     assert "**Complete**: all 11 runs." in report and "Norm gains in the pure-bf16 runs" not in report
@@ -238,9 +239,9 @@ def test_a_sitting_with_arms_reports_every_arm_the_study_has_records_for(tmp_pat
     """`--arms` picks what a sitting trains, not what its report shows: the committed long-rivals records of the arms
     left out stay in the report, and an arm short of a seed makes the report partial."""
     shutil.copytree(runs.REPO / "docs/study_long_mixed_compile/runs", tmp_path / "runs")
-    (tmp_path / "runs/skipinit-seed3.json").unlink()
+    record_store.find(tmp_path / "runs", "skipinit-seed3").unlink()
     for arm in ("peri", "gpas", "lns_gpas", "bhyt", "hybridnorm"):  # arms with no records at all, whatever is committed
-        for record in (tmp_path / "runs").glob(f"{arm}-seed*.json"):
+        for record in (tmp_path / "runs").glob(f"{arm}-seed*.json*"):
             record.unlink()
     assert compare_norms.main(["--budget", "long_rivals", "--arms", "pre", "lns", "--report_only",
                                "--out", str(tmp_path)]) == 0
@@ -330,10 +331,11 @@ def test_gap_plot_of_a_partial_sweep_skips_depths_without_an_interval(tmp_path):
 def test_a_one_seed_sweep_reports_each_seeds_own_comparative_slopes():
     """The Wikipedia pilot (one seed): no comparison is measurable over seeds, so the report gives seed 1's own
     slopes of the gap and the ratio, computed here from the records by hand; a second seed makes them verdicts."""
-    args = depth_sweep.parse_args(["--budget", "wikipedia_pilot", "--dtype", "float32", "--no-compile"])
+    args = depth_sweep.parse_args(["--budget", "wikipedia_pilot", "--dtype", "float32", "--no-compile",
+                                   "--report_only"])
     axis = depth_sweep.depth_axis(args)
-    records = {path.stem: json.loads(path.read_text())
-               for path in (runs.REPO / "docs/depth_sweep_wikipedia/runs").glob("L[0-9]*-seed1.json")}
+    records = {name: record for name, record in read_records(runs.REPO / "docs/depth_sweep_wikipedia").items()
+               if name.endswith("-seed1")}
     values = {(r["arm"], "jacobian_deep"): measures.measures_at(r)["jacobian_deep"] for r in records.values()}
     single = depth_sweep.one_seed_slopes(axis, records, depth_sweep.comparative_verdicts(axis, records))
     jacobian = next(s for s in single if s["measure"] == "jacobian_deep")
@@ -390,7 +392,7 @@ def test_depth_sweep_quick_end_to_end_then_reuses_every_record(tmp_path):
     assert "LNS − Pre-LN eval loss" in report and "95%" in report
     for png in ("measures_vs_depth.png", "loss_gap_vs_depth.png"):
         assert (out / png).stat().st_size > 1000
-    record = json.loads(next((out / "runs").glob("L4-lns-seed1.json")).read_text())
+    record = read_records(out)["L4-lns-seed1"]
     assert record["machine"] == host.machine_description()
     assert f"**Machine** of the runs: {record['machine']} (13 runs)." in report  # the probe too
     analysed = record["analyses"][max(record["analyses"], key=int)]
@@ -403,19 +405,19 @@ def test_depth_sweep_quick_end_to_end_then_reuses_every_record(tmp_path):
     # (the same host and code: every shared value agrees exactly), and the other records are left as they are.
     from utils.study import backfill
 
-    record_path = out / "runs" / "L4-lns-seed1.json"
-    older = json.loads(record_path.read_text())
+    record_path = record_store.path_for(out / "runs", "L4-lns-seed1")
+    older = record_store.read(record_path)
     for analysis in older["analyses"].values():
         for later in ("block_influence", "lens_kl", "lens_top1_agreement", "prediction_depth_mean"):
             del analysis[later]
-    record_path.write_text(json.dumps(older, indent=1) + "\n")
-    others = {path.name: path.read_text() for path in (out / "runs").glob("*.json") if path != record_path}
+    record_store.write(out / "runs", "L4-lns-seed1", older)
+    others = {path.name: path.read_bytes() for path in (out / "runs").iterdir() if path != record_path}
     assert backfill.main(["--into", str(out / "runs"), "--reanalyse", str(runs)]) == 0
-    restored = json.loads(record_path.read_text())
+    restored = record_store.read(record_path)
     assert restored["analyses"] == record["analyses"]
     [entry] = restored["backfilled"]
     assert entry["max_absolute_difference"] == 0 and entry["values_compared"] > 50
-    assert {path.name: path.read_text() for path in (out / "runs").glob("*.json") if path != record_path} == others
+    assert {path.name: path.read_bytes() for path in (out / "runs").iterdir() if path != record_path} == others
     # A second invocation, with the runs folder gone, reuses the committed records and trains nothing.
     shutil.rmtree(runs)
     assert depth_sweep.main(["--quick", *float32_eager, "--out", str(out), "--runs_dir", str(runs)]) == 0
@@ -481,7 +483,7 @@ def test_an_interrupted_run_resumes_from_its_last_checkpoint(stopped_by, tmp_pat
         (run_dir / "results.json").write_text(json.dumps(dict(results, status="stopped", step=6,
                                                               final_eval_loss=None, stop_signal="SIGTERM")))
     shutil.rmtree(run_dir / "model_8")
-    (tmp_path / "records" / f"{spec.name}.json").unlink()
+    record_store.path_for(tmp_path / "records", spec.name).unlink()
     resumed = runs.run_job(spec, settings, args.runs_dir, tmp_path / "records", env)
     assert "resumed from" in (args.runs_dir / "logs" / f"{spec.name}.train.log").read_text()
     assert resumed["status"] == "finished" and resumed["last_step"] == 8 and resumed["reused"] == "no"
@@ -622,7 +624,7 @@ def test_the_studies_default_to_mixed_precision_compiled(study):
 def test_a_dtype_or_compile_variant_gets_its_own_default_folders(study, budget, flags, out, runs_dir):
     """A variant's runs are other records: by default they go beside the committed ones, never over them; the
     committed float32, eager records keep their plain folders."""
-    args = study.parse_args(["--budget", budget, *flags])
+    args = study.parse_args(["--budget", budget, *flags, "--report_only"])  # named as a training command names them
     assert args.out == runs.REPO / out and args.runs_dir == runs.REPO / runs_dir
 
 
@@ -686,7 +688,7 @@ def test_the_overfit_probe_is_found_again_in_the_default_setting(tmp_path, monke
             records[spec.name] = dict(version=runs.RECORD_VERSION, arm=spec.arm, seed=spec.seed,
                                       flags=spec.flags(), analysis_settings=dataclasses.asdict(settings),
                                       status="finished", last_step=8, analyses={}, eval_curve=[[8, 5.0]])
-            (records_dir / f"{spec.name}.json").write_text(json.dumps(records[spec.name]))
+            record_store.write(records_dir, spec.name, records[spec.name])
         return records, []
 
     monkeypatch.setattr(runs, "run_jobs", fake_run_jobs)
@@ -1039,8 +1041,7 @@ def test_every_study_plans_what_is_left_without_training(script, tmp_path, capsy
                   analysis_settings=dataclasses.asdict(runs.analysis_settings(args.settings, args.device)),
                   status="finished", last_step=max(first.analyse_steps), train_seconds=60.0, analysis_seconds=4.6,
                   analyses={str(step): {} for step in first.analyse_steps})
-    (tmp_path / "report" / "runs").mkdir(parents=True)
-    (tmp_path / "report" / "runs" / f"{first.name}.json").write_text(json.dumps(record))
+    record_store.write(tmp_path / "report" / "runs", first.name, record)
     after = plan()
     assert after["recorded"] == 1 and after["left"] == before["left"][1:] and after["recorded_run_seconds"] == [65]
     argv.append("--fresh")  # every run retrains
@@ -1070,7 +1071,8 @@ def test_a_backfill_adds_what_the_record_lacks_and_keeps_what_it_has(tmp_path, c
         (tmp_path / folder / "L6-lns-seed1.json").write_text(json.dumps(record, indent=1) + "\n")
     command = ["--into", str(tmp_path / "into"), "--retrained", str(tmp_path / "retrained")]
     assert backfill.main(command) == 0
-    merged = json.loads((tmp_path / "into" / "L6-lns-seed1.json").read_text())
+    assert not (tmp_path / "into" / "L6-lns-seed1.json").exists()  # rewritten in the current format
+    merged = record_store.read(record_store.path_for(tmp_path / "into", "L6-lns-seed1"))
     assert merged["analyses"]["400"]["block_influence"] == [0.3, 0.01]
     assert merged["analyses"]["400"]["variance"] == [1.0, 2.5] and merged["final_eval_loss"] == 5.5
     assert merged["train_seconds"] == 180.0 and "machine" not in merged
@@ -1079,13 +1081,14 @@ def test_a_backfill_adds_what_the_record_lacks_and_keeps_what_it_has(tmp_path, c
     assert info["values_compared"] == 7  # the eval loss, 2 of the curve, 2 variances, 1 angular, 1 removal cost
     assert info["max_relative_difference"] == pytest.approx(5e-7 / 1.05e-5, rel=1e-3)  # a small value: within atol
     assert info["max_absolute_difference"] == pytest.approx(5e-6, rel=1e-3)
-    text = (tmp_path / "into" / "L6-lns-seed1.json").read_text()
-    assert backfill.main(command) == 0 and (tmp_path / "into" / "L6-lns-seed1.json").read_text() == text  # nothing new
+    stored = record_store.path_for(tmp_path / "into", "L6-lns-seed1").read_bytes()
+    assert backfill.main(command) == 0  # nothing new
+    assert record_store.path_for(tmp_path / "into", "L6-lns-seed1").read_bytes() == stored
     assert "added block_influence" in capsys.readouterr().out
     retrained["analyses"]["400"]["lens_kl"] = [0.5, 0.0]  # a later instrument: a second entry, the first kept
     (tmp_path / "retrained" / "L6-lns-seed1.json").write_text(json.dumps(retrained))
     assert backfill.main(command) == 0
-    merged = json.loads((tmp_path / "into" / "L6-lns-seed1.json").read_text())
+    merged = record_store.read(record_store.path_for(tmp_path / "into", "L6-lns-seed1"))
     assert [entry["measures"] for entry in merged["backfilled"]] == [["block_influence"], ["lens_kl"]]
 
 
@@ -1206,9 +1209,10 @@ def test_a_reanalysis_backfills_the_records_whose_checkpoints_remain(tmp_path, m
     monkeypatch.setattr(runs, "analyse_run", analyse_run)
     assert backfill.main(["--into", str(tmp_path / "into"), "--reanalyse", str(tmp_path / "runs")]) == 0
     assert measured == [("L6-lns-seed1", [400], 128, "1")]
-    first = json.loads((tmp_path / "into" / "L6-lns-seed1.json").read_text())
+    first = record_store.read(record_store.find(tmp_path / "into", "L6-lns-seed1"))
     assert first["analyses"]["400"]["block_influence"] == [0.2, 0.05] and first["final_eval_loss"] == 5.5
-    assert "block_influence" not in json.loads((tmp_path / "into" / "L6-lns-seed2.json").read_text())["analyses"]["400"]
+    second = record_store.read(record_store.find(tmp_path / "into", "L6-lns-seed2"))
+    assert "block_influence" not in second["analyses"]["400"]
     assert "L6-lns-seed2.json: no checkpoints" in capsys.readouterr().err
 
 
@@ -1229,10 +1233,9 @@ def _replicate_of(original, folder):
 
 
 def _edit_record(folder, name, edit):
-    path = folder / "runs" / f"{name}.json"
-    record = json.loads(path.read_text())
+    record = record_store.read(record_store.find(folder / "runs", name))
     edit(record)
-    path.write_text(json.dumps(record))
+    record_store.write(folder / "runs", name, record)
 
 
 def test_a_replicate_says_which_verdicts_keep_their_status_and_how_far_each_run_moved(tmp_path, capsys):
@@ -1326,10 +1329,8 @@ def test_a_replicate_of_another_study_is_refused_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "other" / "replication.md").exists()
     summary["settings"]["steps"] = 400  # the same settings, but one run trained in another precision
     (tmp_path / "other" / "summary.json").write_text(json.dumps(summary))
-    record_path = tmp_path / "other" / "runs" / "L6-pre-seed2.json"
-    record = json.loads(record_path.read_text())
-    record["flags"][record["flags"].index("float32")] = "mixed"
-    record_path.write_text(json.dumps(record))
+    _edit_record(tmp_path / "other", "L6-pre-seed2",
+                 lambda record: record["flags"].__setitem__(record["flags"].index("float32"), "mixed"))
     with pytest.raises(SystemExit):
         replicate.main(["docs/depth_sweep", str(tmp_path / "other")])
     assert "run L6-pre-seed2's flags: --dtype float32 against --dtype mixed" in capsys.readouterr().err
@@ -1337,7 +1338,8 @@ def test_a_replicate_of_another_study_is_refused_in_one_line(tmp_path, capsys):
         replicate.main(["docs/depth_sweep", str(tmp_path / "absent")])
     error = capsys.readouterr().err
     assert "replicate: no report in" in error and "summary.json is missing" in error
-    record_path.write_text(record_path.read_text()[:100])  # a damaged record: one line naming it, no traceback
+    record_path = record_store.find(tmp_path / "other" / "runs", "L6-pre-seed2")
+    record_path.write_bytes(record_path.read_bytes()[:100])  # a damaged record: one line naming it, no traceback
     with pytest.raises(SystemExit):
         replicate.main(["docs/depth_sweep", str(tmp_path / "other")])
     error = capsys.readouterr().err.strip().splitlines()

@@ -140,6 +140,7 @@ def test_depth_sweep_budget_refuses_to_start_without_the_corpus(tmp_path, monkey
         message = capsys.readouterr().err
         assert message.count("\n") == 1 and f"--budget {budget}: the Wikipedia corpus is not at" in message
     depth_sweep.parse_args(["--budget", "wikipedia", "--report_only"])  # a report needs only the records
+    depth_sweep.parse_args(["--budget", "wikipedia", "--plan"])  # and a plan only the records and the flags
 
 
 def test_depth_sweep_wikipedia_runs_and_analyses_read_the_corpus(corpus, tmp_path):

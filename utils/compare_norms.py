@@ -285,9 +285,7 @@ def plot_per_arm(records, arms: list[Arm], path: Path) -> Path:
     axes[0].invert_yaxis()
     fig.suptitle("Every arm at its last checkpoint (bar or tick: mean over seeds; dots: seeds)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return plots.save_figure(fig, path)
 
 
 def one_seed_differences(records, pre: str, lns: str) -> list[float | None]:

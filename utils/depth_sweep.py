@@ -577,9 +577,7 @@ def plot_probe(probe: dict, budget_steps: int, path: Path) -> Path:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=140)
-    plt.close(fig)
-    return path
+    return plots.save_figure(fig, path)
 
 
 def budget_reason(s: dict) -> str:

@@ -3,6 +3,7 @@ only their budgets, arms and report templates. No script imports another.
 
     cli        the flags every study takes, resolved into its settings and folders
     runs       a study's runs: train (torchrun_main.py), analyse, write the record; read records back
+    records    a run record on disk (<name>.json.gz, compact): the one reader and writer; `convert` for older folders
     analyse    every instrument on one checkpoint (the analysis subprocess of a run)
     backfill   measures a committed record predates, added from a retrain that agrees with it
     replicate  which verdicts of a study survive a second run of it (another host), side by side
@@ -12,7 +13,7 @@ only their budgets, arms and report templates. No script imports another.
     claims     the paper's claims about LNS against Pre-LN as paired verdicts on two arms, and their report text
     sweep      what the depth and width sweeps share: the axis, configs, flags, slopes against ln of the swept value
     verdicts   paired verdicts with an effect and its 95% interval
-    plots      the figures every study draws
+    plots      the figures every study draws, saved as small palette PNGs
     report     the report's shared lines: what made it, how complete, how long, where it is saved
     host       the machine a record was made on and the software a report was written with
 """

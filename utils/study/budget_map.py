@@ -24,7 +24,7 @@ from peft_pretraining.cli import OneLineErrorParser
 from utils.study import lr_grid, verdicts
 from utils.study import records as record_store
 from utils.study.measures import by_seed
-from utils.study.plots import pyplot
+from utils.study.plots import pyplot, save_figure
 from utils.study.runs import REPO
 from utils.study.sweep import NORMS, evidence_note, slope_by_seed, slope_verdict
 
@@ -280,9 +280,7 @@ def plot(entries: dict[int, dict], best: list[dict], best_updates: int | None, p
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def verdict_cell(v: verdicts.Verdict, slopes: dict[int, float | None] | None = None) -> str:

@@ -32,7 +32,7 @@ from peft_pretraining.cli import OneLineErrorParser
 from utils.study import claims, verdicts
 from utils.study import records as record_store
 from utils.study.measures import by_seed
-from utils.study.plots import pyplot
+from utils.study.plots import pyplot, save_figure
 from utils.study.runs import recorded_settings
 from utils.study.sweep import NORMS
 
@@ -238,9 +238,7 @@ def plot(table, path: Path) -> Path:
     axes.flat[0].set_ylabel("eval loss (nats/token)")
     fig.suptitle("Eval loss against depth at each learning rate", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=140)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def write(folders: list[Path], out: Path, argv: list[str]) -> dict:

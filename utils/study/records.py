@@ -21,6 +21,8 @@ import os
 import sys
 from pathlib import Path
 
+from peft_pretraining.cli import OneLineErrorParser
+
 SUFFIX = ".json.gz"
 OLD_SUFFIX = ".json"
 
@@ -102,11 +104,17 @@ def convert(folder: Path) -> int:
     return converted
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True)
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(prog="python -m utils.study.records", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrorParser)
     convert_parser = commands.add_parser("convert", help="rewrite <name>.json records as <name>.json.gz")
     convert_parser.add_argument("folders", nargs="+", type=Path, help="folders of run records (a report's runs/)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     for folder in args.folders:
         if not folder.is_dir():

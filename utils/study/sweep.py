@@ -11,7 +11,7 @@ import numpy as np
 
 from utils.study import verdicts
 from utils.study.measures import GROWTH_MEASURES, MEASURES, by_seed, measures_in
-from utils.study.plots import finish_grid, pyplot
+from utils.study.plots import finish_grid, pyplot, save_figure
 from utils.study.runs import REPO, dataset_flags, peak_lr
 
 NORMS = {"pre": "Pre-LN", "lns": "LNS"}
@@ -227,9 +227,7 @@ def plot_gap(gaps: list[verdicts.Verdict], depths, path: Path, xlabel: str = "la
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title.format(noun=noun))
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=140)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def measures_table(axis: Axis, records) -> str:
