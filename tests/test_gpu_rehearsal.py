@@ -38,7 +38,7 @@ def test_the_gpu_lease_rehearses_every_stage_on_the_cpu(tmp_path):
     assert plan["runs"] == 18 and plan["left"] == 18 - plan["recorded"] and 1 <= plan["jobs"] <= 6
     assert "seconds per stage" in proc.stdout
     with tarfile.open(out / "width_sweep" / "width_sweep_gpu.tgz") as tarball:  # the records, as a GPU call's
-        records = [name for name in tarball.getnames() if "/runs/" in name and name.endswith(".json")]
+        records = [name for name in tarball.getnames() if "/runs/" in name and name.endswith(".json.gz")]
     assert len(records) == 4, records  # hidden 16 and 32, Pre-LN and LNS, seed 1
 
 

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from tests.analysis_helpers import read_records
 from utils import compare_norms, depth_sweep, width_sweep
 from utils.study import cli, runs, sweep, verdicts
 
@@ -205,7 +206,7 @@ def test_width_sweep_quick_end_to_end_then_reuses_every_record(tmp_path, monkeyp
     assert [(row["width"], row["norm"]) for row in rows] == [("16", "pre"), ("16", "lns"), ("32", "pre"),
                                                              ("32", "lns")]
     assert {row["device"] for row in rows} == {"cpu"} and all(float(row["jacobian_deep"]) > 0 for row in rows)
-    record = json.loads((out / "runs" / "L4-W32-lns-seed1.json").read_text())
+    record = read_records(out)["L4-W32-lns-seed1"]
     assert record["device"] == "cpu" and record["analysis_settings"]["device"] == "cpu"
     assert "--device" in record["flags"] and record["flags"][record["flags"].index("--device") + 1] == "cpu"
     config = config_of(record["flags"])

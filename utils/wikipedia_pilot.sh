@@ -25,7 +25,7 @@ commit_what_landed() {
     python utils/depth_sweep.py "${FLAGS[@]}" --report_only > /dev/null
     mapfile -t landed < <(git status --porcelain -uall -- "$REPORT" | cut -c4-)
     git add -- "${landed[@]}" && git commit -q -m "Wikipedia depth sweep (--budget $BUDGET): $(
-        printf '%s\n' "${landed[@]}" | sed -n 's|.*/runs/\(.*\)\.json$|\1|p' | paste -sd, -) landed; report rewritten" \
+        printf '%s\n' "${landed[@]}" | sed -n 's|.*/runs/\(.*\)\.json\.gz$|\1|p' | paste -sd, -) landed; report rewritten" \
         -- "${landed[@]}" && echo "committed: ${landed[*]}"
 }
 
