@@ -320,3 +320,19 @@ def test_the_check_computes_arm_pairs_from_the_records_and_catches_a_drifted_one
     assert unmatched(honest, [report]) == []
     drifted = f"{effect:+.3f} [{low + 0.001:+.4f}, {high:+.3f}]"
     assert unmatched(drifted, [report]) == [drifted]
+
+
+def commands_in(text: str) -> set[str]:
+    """The python command lines of a shell text, continuation lines joined, comments and `rebuild ` dropped."""
+    joined = re.sub(r"\\\n\s*", "", text)
+    lines = (re.sub(r"\s+#.*$", "", line.strip()).removeprefix("rebuild ") for line in joined.splitlines())
+    return {re.sub(r"\s*>\s*/dev/null$", "", line) for line in lines if line.startswith("python ")}
+
+
+def test_the_studies_index_lists_every_report_the_rebuild_rewrites():
+    """docs/studies.md's list of commands and .ci/rebuild_reports name the same reports, so neither drifts."""
+    index = (REPO / "docs/studies.md").read_text()
+    block = index[index.index("```bash"):index.index("```", index.index("```bash") + 3)]
+    listed = {line.replace(" --report_only", "") for line in commands_in(block)}
+    rebuilt = {line.replace(" --check", "") for line in commands_in((REPO / ".ci/rebuild_reports").read_text())}
+    assert listed == rebuilt
