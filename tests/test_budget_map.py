@@ -112,3 +112,10 @@ def test_an_interval_that_barely_excludes_zero_is_called_so():
     assert "barely excludes zero" in sweep.evidence_note(barely, [6, 12, 24, 48])
     assert "barely" not in sweep.evidence_note(clear, [6, 12, 24, 48])
     assert "3 of 3 seeds agreeing in sign is p = 0.125" in sweep.evidence_note(clear, [6, 12, 24, 48])
+
+
+def test_a_budget_part_way_through_its_seeds_names_the_depths_each_seeds_slope_spans():
+    lead = {6: {1: 0.01, 2: 0.02}, 12: {1: 0.05, 2: 0.04}, 24: {1: 0.1}}
+    assert budget_map.seed_depths_note(lead) == ("the seeds' slopes span different depths (seed 1: L = 6, 12, 24; "
+                                                 "seed 2: L = 6, 12)")
+    assert budget_map.seed_depths_note({6: {1: 0.0, 2: 0.1}, 24: {1: 0.2, 2: 0.3}}) == ""

@@ -188,14 +188,26 @@ def best_rate_leads(grid: dict[str, dict]) -> list[dict]:
     return found
 
 
+def seed_depths_note(lead: dict[int, dict[int, float]]) -> str:
+    """Where the seeds' slopes are fitted over different depths (a budget part-way through its seeds), which depths
+    each seed's rests on; '' when every seed has every depth."""
+    seeds = sorted({seed for per_seed in lead.values() for seed in per_seed})
+    depths = {seed: [d for d, per_seed in lead.items() if seed in per_seed] for seed in seeds}
+    if len({tuple(v) for v in depths.values()}) <= 1:
+        return ""
+    return "the seeds' slopes span different depths (" + "; ".join(
+        f"seed {seed}: L = {', '.join(map(str, d))}" for seed, d in depths.items()) + ")"
+
+
 def budget_entry(updates: int, records: dict[str, dict], settings: dict) -> dict:
     depths = depths_of(records)
     lead = lead_by_depth(records, depths)
     verdict, slopes = lead_slope(lead, depths, f"{updates:,} updates: LNS's lead grows with depth (slope of Pre-LN − "
                                                "LNS vs ln L)")
+    note = "; ".join(filter(None, [evidence_note(verdict, depths), seed_depths_note(lead)]))
     return dict(updates=updates, tokens=updates * settings["batch"] * settings["length"], depths=depths, lead=lead,
                 lead_summary={d: mean_interval(list(lead[d].values())) for d in depths}, slope=verdict,
-                slopes=slopes, slope_note=evidence_note(verdict, depths),
+                slopes=slopes, slope_note=note,
                 arm_slopes=arm_slopes(records, depths, updates), losses=arm_losses(records, depths))
 
 
