@@ -188,7 +188,19 @@ PROSE_CLAIMS = [
     ("on Wikipedia depth is not shown to pay for LNS: its slope and verdict", results_table.WIKIPEDIA,
      lambda s, _: f"is not shown to pay for LNS ({results_table.significant(slope(s, 'lns')['effect'])}, "
                   f"{slope(s, 'lns')['status']})" if not pays(s, "lns") else "pays for LNS"),
+    ("the budget x depth map's short budget, where depth pays for neither arm", results_table.WIKIPEDIA_SHORT,
+     lambda s, _: f"({s['settings']['steps']:,} updates) depth pays for neither arm"
+                  if not (pays(s, "pre") or pays(s, "lns")) else "depth pays"),
+    ("the lead's slope at the short budget: its direction and verdict", results_table.WIKIPEDIA_SHORT,
+     lambda s, _: f"at {s['settings']['steps']:,} updates it {lead_direction(s)}"),
 ]
+
+
+def lead_direction(summary: dict) -> str:
+    """"grows, inside noise so far" (a budget still landing its seeds) or "grows" / "shrinks" with its verdict."""
+    prediction = results_table.find(summary["predictions"], results_table.LEAD_PREDICTION, "the short budget")
+    verb = "grows" if prediction["effect"] > 0 else "shrinks"
+    return f"{verb}, inside noise so far" if prediction["status"] == verdicts.INSIDE_NOISE else verb
 
 
 def prose_errors(prose: str, summaries: results_table.Summaries) -> list[str]:
@@ -336,3 +348,8 @@ def test_the_studies_index_lists_every_report_the_rebuild_rewrites():
     listed = {line.replace(" --report_only", "") for line in commands_in(block)}
     rebuilt = {line.replace(" --check", "") for line in commands_in((REPO / ".ci/rebuild_reports").read_text())}
     assert listed == rebuilt
+
+
+def test_the_results_block_is_at_most_400_words_around_its_table():
+    """Issue 65: a researcher reads the block in three minutes; the table carries the verdicts."""
+    assert len(prose_of(readme_block(README.read_text())).split()) <= 400

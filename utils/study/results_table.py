@@ -31,9 +31,10 @@ STUDY_1500_LENS = "docs/study_long_avx2/summary.json"
 DEPTH = "docs/depth_sweep_mixed_compile/summary.json"
 DEPTH_LENS = "docs/depth_sweep_avx2/summary.json"
 WIDTH = "docs/width_sweep_mixed_compile/summary.json"
-# The 10,500-update sweep at 2e-3. Issue 64's budget x depth map (2,400 and 5,000 updates, L = 24 at 4e-3) is the
-# lead's to add beside it.
+# The 10,500-update sweep at 2e-3, and the budget x depth map's shortest budget beside it (issue 64): a finished run
+# of 2,400 updates, where depth pays for neither arm.
 WIKIPEDIA = "docs/depth_sweep_wikipedia_lr0.002/summary.json"
+WIKIPEDIA_SHORT = "docs/depth_sweep_wikipedia_2400_lr0.002/summary.json"
 
 LOSS, VARIANCE, ANGULAR, IDENTITY = (claim for claim, *_ in claims.CORE_CLAIMS)
 LENS = [claim for claim, *_ in claims.LENS_CLAIMS]
@@ -145,7 +146,7 @@ def columns(summaries: Summaries) -> list[tuple[str, list[tuple[str, dict] | Non
     core = [LOSS, VARIANCE, ANGULAR, IDENTITY, claims.REMOVAL_CLAIM]
     lens_1500 = lens_note([pair_cell(summaries, STUDY_1500_LENS, claim)[1]["status"] for claim in LENS])
     depths, widths = (summaries[DEPTH]["settings"]["depths"], summaries[WIDTH]["settings"]["widths"])
-    wikipedia = summaries[WIKIPEDIA]["settings"]
+    wikipedia, short = summaries[WIKIPEDIA]["settings"], summaries[WIKIPEDIA_SHORT]["settings"]
     return [
         (f"embedded, {summaries[STUDY_300]['settings']['steps']:,} updates",
          [pair_cell(summaries, STUDY_300, claim) for claim in core] + [None, None]),
@@ -158,6 +159,9 @@ def columns(summaries: Summaries) -> list[tuple[str, list[tuple[str, dict] | Non
         (f"Wikipedia, L = {min(wikipedia['depths'])}–{max(wikipedia['depths'])}, {wikipedia['steps']:,} updates at "
          f"lr {rate_text(wikipedia['lr'])}",
          depth_column(summaries, WIKIPEDIA, WIKIPEDIA)),
+        (f"Wikipedia, L = {min(short['depths'])}–{max(short['depths'])}, {short['steps']:,} updates at "
+         f"lr {rate_text(short['lr'])}",
+         depth_column(summaries, WIKIPEDIA_SHORT, WIKIPEDIA_SHORT)),
     ]
 
 
