@@ -5,6 +5,7 @@
     python utils/depth_sweep.py --budget deep    # adds L=96 to the default's records (resumes across invocations)
     python utils/depth_sweep.py --budget long    # 3x the tokens per run (resumes across invocations)
     python utils/depth_sweep.py --budget rivals  # adds GPAS and BHyT at L=24 and 48 to the default's records
+    python utils/depth_sweep.py --budget wikipedia_gpu --device cuda --no-compile --jobs 6  # hidden 768, one GPU
     python utils/depth_sweep.py --overfit_probe  # also find where the corpus overfits at the deepest depth
     python utils/depth_sweep.py --quick          # smoke test (CI)
     python utils/depth_sweep.py --report_only    # rewrite the report from the saved records
@@ -32,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from peft_pretraining.cli import OneLineErrorParser
+from peft_pretraining.wikipedia_corpus import SINGLE_PASS_UPDATES, TRAIN_TOKENS
 from utils.study import claims, cli, measures, plots, report, runs, verdicts
 from utils.study.runs import RunSpec
 from utils.study.sweep import (
@@ -92,6 +94,44 @@ BUDGETS["wikipedia_2400"] = dict(BUDGETS["wikipedia"], steps=2_400, warmup=240, 
 BUDGETS["wikipedia_5000"] = dict(BUDGETS["wikipedia"], steps=5_000, warmup=500, save_every=625, depths=(6, 12, 24),
                                  first_depths=(), out="docs/depth_sweep_wikipedia_5000",
                                  runs_dir="runs/depth_sweep_wikipedia_5000")
+# Issue 68, the paper's width on one GPU: the 130M block shape (hidden 768, 12 heads of 64, MLP 2048) at L = 6, 12
+# and 24 on the Wikipedia split. A step is 64 sequences of 256 tokens, the paper's 130M micro-batch (run_130m.sh
+# --batch_size 64) without its 8-fold accumulation, so that one pass is some 1,350 updates rather than 170: enough for
+# the warmup and the cosine to mean what they do in the CPU sweep. The rate is the paper's 130M one, 1e-3 (chosen at
+# 8 times this batch; a smaller batch tolerates no higher rate, and a lower one would leave a one-pass run short of
+# updates). bf16 autocast (--dtype mixed) and eager (--no-compile) in the lease call (utils/gpu_lease.sh).
+GPU_BATCH_SIZE, GPU_MAX_LENGTH = 64, 256
+# The analyses (thirds) fall on saves and on evals: the update count is a multiple of 3 x GPU_EVAL_EVERY.
+GPU_EVAL_EVERY = 150
+
+
+def single_pass_steps(batch_size: int, max_length: int, multiple: int) -> int:
+    """The most updates, a multiple of `multiple`, within one pass over the Wikipedia train split at this batch:
+    below the update at which any seed's stream first repeats an article (SINGLE_PASS_UPDATES, measured) and within
+    the split's token count (TRAIN_TOKENS)."""
+    repeats_at = min(SINGLE_PASS_UPDATES[(batch_size, max_length)].values())
+    bound = min(repeats_at, TRAIN_TOKENS // (batch_size * max_length))
+    return bound // multiple * multiple
+
+
+WIKIPEDIA_GPU_STEPS = single_pass_steps(GPU_BATCH_SIZE, GPU_MAX_LENGTH, 3 * GPU_EVAL_EVERY)
+# The instruments, held-out articles, eval tokens and clipping are the CPU Wikipedia sweep's; the model, the batch,
+# the rate and the length of the run are the GPU's. It saves at the analysis points only (each a few GB at L = 24):
+# a run cut between them resumes from the last one, and the runs of a seed are one wave of --jobs 6.
+BUDGETS["wikipedia_gpu"] = dict(BUDGETS["wikipedia"], depths=(6, 12, 24), first_depths=(), hidden_size=768,
+                                intermediate_size=2048, num_attention_heads=12, batch_size=GPU_BATCH_SIZE,
+                                max_length=GPU_MAX_LENGTH, lr="1e-3", steps=WIKIPEDIA_GPU_STEPS,
+                                warmup=WIKIPEDIA_GPU_STEPS // 10, eval_every=GPU_EVAL_EVERY,
+                                save_every=WIKIPEDIA_GPU_STEPS // 3, out="docs/depth_sweep_wikipedia_gpu",
+                                runs_dir="runs/depth_sweep_wikipedia_gpu")
+# The same lines at tiny sizes for the CPU rehearsal (gpu_lease.sh rehearse_wikipedia): the Wikipedia corpus and
+# tokenizer, two heads of 8, a few updates; its records go to the rehearsal's own folders.
+BUDGETS["wikipedia_gpu_quick"] = dict(BUDGETS["wikipedia_gpu"], depths=(2, 4), hidden_size=16, intermediate_size=32,
+                                      num_attention_heads=2, batch_size=2, max_length=32, steps=6, warmup=1,
+                                      eval_every=2, save_every=2, eval_tokens=256, seeds=(1, 2), stream_tokens=128,
+                                      jacobian_tokens=2, jacobian_probes=0, removal_documents=2,
+                                      out="runs/depth_sweep_wikipedia_gpu_quick/report",
+                                      runs_dir="runs/depth_sweep_wikipedia_gpu_quick")
 PREDICTIONS = [
     # (the paper's prediction, norm type, measure, expected sign of d(measure)/d(ln L), log-transform the measure)
     ("Pre-LN's variance growth rises with depth", "pre", "variance_growth", +1, True),
@@ -111,7 +151,14 @@ COMPARATIVE = {"variance_growth": -1, "angular_deep": +1, "jacobian_deep": +1, "
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_study_arguments(parser, BUDGETS)
+    cli.add_study_arguments(parser, BUDGETS, budget_help=(
+        "named budget (see above). wikipedia_gpu is meant for one GPU (--device cuda --no-compile --jobs 6; "
+        "utils/gpu_lease.sh wikipedia_depth is its lease call): the paper's 130M block shape (hidden 768, 12 heads "
+        f"of 64, MLP 2048) at L = 6, 12, 24 on the Wikipedia split, {GPU_BATCH_SIZE} x {GPU_MAX_LENGTH} tokens a "
+        f"step (the paper's 130M micro-batch, without its accumulation) for {WIKIPEDIA_GPU_STEPS:,} updates (one "
+        "pass: below the first repeated article), lr 1e-3 (the paper's 130M rate), bf16 autocast (--dtype mixed), "
+        "the CPU Wikipedia sweep's instruments and held-out articles; each seed's six runs are one wave, and "
+        "rerunning the command resumes. wikipedia_gpu_quick: the same at tiny sizes (the CPU rehearsal)"))
     parser.add_argument("--depths", nargs="+", type=int, default=None, help="override the budget's depths")
     parser.add_argument("--first_depths", nargs="+", type=int, default=None,
                         help="train every seed of these depths before the others' (default: the budget's order, "
@@ -120,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overfit_probe", action="store_true",
                         help="also train the overfitting probe (one long LNS run at the deepest depth; about 80 "
                              "minutes at L=48); without it the report uses the probe's record when there is one")
+    parser.add_argument("--keep_checkpoints", action=argparse.BooleanOptionalAction, default=None,
+                        help="keep each run's checkpoints once its record is written (default: kept on the CPU, "
+                             "deleted on a GPU, where wikipedia_gpu's L = 24 runs save gigabytes each)")
     return parser
 
 
@@ -132,6 +182,8 @@ def parse_args(argv=None):
         parser.error("--depths: give at least two different depths (the verdicts are slopes against depth)")
     if args.first_depths and not set(args.first_depths) <= set(args.settings["depths"]):
         parser.error(f"--first_depths: {args.first_depths} are not all among the depths {list(args.settings['depths'])}")
+    if args.keep_checkpoints is None:
+        args.keep_checkpoints = args.device == "cpu"
     return args
 
 
@@ -139,11 +191,18 @@ def depth_axis(args) -> Axis:
     return Axis("L", "L", "layers L", "depth", tuple(args.settings["depths"]))
 
 
+# A budget's model settings over the base config's (wikipedia_gpu's width; every other budget keeps the base's)
+MODEL_SETTINGS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads")
+
+
 def depth_config(args, depth: int) -> str:
-    """The base config with `depth` layers, and the budget's vocabulary where it sets one (its tokenizer's)."""
-    hidden = json.loads((REPO / BASE_CONFIG).read_text())["hidden_size"]
-    vocab = {"vocab_size": args.settings["vocab_size"]} if "vocab_size" in args.settings else {}
-    return write_config(args, f"llama_h{hidden}_L{depth}.json", num_hidden_layers=depth, **vocab)
+    """The base config with `depth` layers, and the budget's vocabulary (its tokenizer's) and width where it sets
+    them; the heads are all key-value heads, as in the base."""
+    changes = {name: args.settings[name] for name in MODEL_SETTINGS if name in args.settings}
+    if "num_attention_heads" in changes:
+        changes["num_key_value_heads"] = changes["num_attention_heads"]
+    hidden = changes.get("hidden_size", json.loads((REPO / BASE_CONFIG).read_text())["hidden_size"])
+    return write_config(args, f"llama_h{hidden}_L{depth}.json", num_hidden_layers=depth, **changes)
 
 
 def run_specs(args) -> list[RunSpec]:
