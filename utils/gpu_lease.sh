@@ -71,6 +71,12 @@ if [[ $what == rehearse_wikipedia ]]; then
     python -m utils.gpu_carry rehearsal_corpus --out "$out/corpus" >/dev/null \
         && python -m utils.gpu_carry pack_corpus --corpus "$out/corpus" --out "$out/rehearsal.tar.xz" || exit
     python -m utils.gpu_carry travel --carry "$lease"; travel=$?
+    for pin in $(grep -ihE '^(datasets|lm_eval)==' exp_requirements.txt); do  # a prepared lease has the pinned wheels
+        if [[ -s $lease/wikipedia.tar.xz ]] && ! compgen -G "$lease/whl/${pin%%==*}-${pin##*==}-*.whl" >/dev/null; then
+            echo "gpu_lease.sh rehearse_wikipedia: $lease/whl has no wheel of $pin: run prepare_wikipedia"
+            travel=1
+        fi
+    done
     GPU_LEASE_REHEARSAL=1 GPU_LEASE_CORPUS=$out/rehearsal.tar.xz bash "$0" wikipedia_depth "$out/wikipedia_depth" \
         --rehearse; sweep=$?
     echo "gpu_lease.sh rehearse_wikipedia: travel $([[ $travel == 0 ]] && echo ok || echo OVER), wikipedia_depth" \
