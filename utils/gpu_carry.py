@@ -175,10 +175,11 @@ def plan(argv: list[str]) -> dict:
 def plan_lines(found: dict) -> str:
     rows = "\n".join(f"  {r['run']}: L = {r['layers']}, hidden {r['hidden']}, {r['model_pflops']} PFLOP, "
                      f"{r['analyses']} analysed checkpoints" for r in found["rows"])
+    share = found["tokens_per_run"] / found["train_split_tokens"]
     return (f"plan: {found['budget']} on {found['device']}: {found['runs_left']} of {found['runs']} runs left, "
             f"{found['jobs']} at a time ({found['waves']} wave(s)); {found['updates']:,} updates = "
-            f"{found['tokens_per_run'] / 1e6:.1f} M tokens a run ({found['tokens_per_run'] / found['train_split_tokens']:.2f}"
-            f" of the {found['train_split_tokens']:,}-token train split)\n{rows}\n"
+            f"{found['tokens_per_run'] / 1e6:.1f} M tokens a run ({share:.2f} of the "
+            f"{found['train_split_tokens']:,}-token train split)\n{rows}\n"
             f"plan: about {found['estimated_seconds']} s (at {found['assumed_tflops']:g} TFLOP/s and "
             f"{found['analysis_seconds_per_checkpoint']:g} s per analysed checkpoint: an estimate, not a measurement)")
 
