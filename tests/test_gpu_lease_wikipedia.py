@@ -129,13 +129,15 @@ def test_the_corpus_travels_as_text_and_unpacks_to_the_same_files(tmp_path):
                                                                      "wiki_02.jsonl.gz"]
 
 
-def test_the_plan_counts_the_runs_tokens_and_time(tmp_path):
-    found = gpu_carry.plan(["--budget", "wikipedia_gpu", "--device", "cuda", "--no-compile", "--jobs", "6",
-                            "--runs_dir", str(tmp_path), "--out", str(tmp_path / "report")])
+def test_the_estimate_counts_the_runs_tokens_and_time(tmp_path, capsys):
+    argv = ["--budget", "wikipedia_gpu", "--device", "cuda", "--no-compile", "--jobs", "6", "--runs_dir",
+            str(tmp_path), "--out", str(tmp_path / "report"), "--estimate"]
+    found = depth_sweep.estimate(depth_sweep.parse_args(argv))  # no GPU needed, as for --plan
     assert found["runs"] == found["runs_left"] == 18 and found["waves"] == 3
     assert found["tokens_per_run"] == 1350 * 64 * 256
     assert [row["layers"] for row in found["rows"][:6]] == [6, 6, 12, 12, 24, 24]
-    assert 0 < found["estimated_seconds"] and "plan: about" in gpu_carry.plan_lines(found)
+    assert 0 < found["estimated_seconds"] and "plan: about" in depth_sweep.estimate_lines(found)
+    assert depth_sweep.main(argv) == 0 and "18 of 18 runs left" in capsys.readouterr().out
 
 
 @pytest.mark.e2e

@@ -167,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overfit_probe", action="store_true",
                         help="also train the overfitting probe (one long LNS run at the deepest depth; about 80 "
                              "minutes at L=48); without it the report uses the probe's record when there is one")
+    parser.add_argument("--estimate", action="store_true",
+                        help="print the runs left, their tokens and model FLOPs, the analyses and an estimated time "
+                             "(from an assumed GPU rate, not a measurement), and exit; trains nothing and needs no "
+                             "GPU (utils/gpu_lease.sh prints it before training)")
     parser.add_argument("--keep_checkpoints", action=argparse.BooleanOptionalAction, default=None,
                         help="keep each run's checkpoints once its record is written (default: kept on the CPU, "
                              "deleted on a GPU, where wikipedia_gpu's L = 24 runs save gigabytes each)")
@@ -175,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None):
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--estimate" in argv and "--plan" not in argv:  # an estimate, like a plan, trains nothing and needs no GPU
+        argv.append("--plan")
     args = cli.parse_study_args(parser, argv, BUDGETS, ("depths", "seeds"))
     if any(d < 2 for d in args.settings["depths"]):
         parser.error(f"--depths: every depth must be at least 2, got {args.settings['depths']}")
@@ -827,10 +834,65 @@ Raw numbers: one JSON record per run in `runs/`, and `summary{suffix}.json`.
     return report.write_report_files(out, text, summary, suffix)
 
 
+# ------------------------------------------------------------------------------------------------------ lease estimate
+
+# The time estimate's assumptions, to be replaced by the first lease's measurements. A rate of 250 TFLOP/s is a
+# quarter of the H200's dense bf16 peak: eager bf16 autocast at hidden 768 (run_130m.sh, compiled and pure bf16,
+# reached MFU 0.334 there), shared by the wave's processes (time-sliced: their sum, not each). The analyses: the width
+# sweep's GPU records (hidden 512, L = 24, five runs side by side) took 143-147 s for three checkpoints each.
+ASSUMED_TFLOPS = 250.0
+ANALYSIS_SECONDS_PER_CHECKPOINT = 50.0
+START_SECONDS = 40.0  # the wave's processes importing torch and reading the tokenizer
+
+
+def estimate(args) -> dict:
+    """--estimate: the runs left, their tokens and model FLOPs, the analyses, and a time estimate from
+    ASSUMED_TFLOPS (a wave of --jobs runs shares one GPU: the GPU's work is their sum). Trains nothing."""
+    from utils.model_arithmetic import model_flops_per_token
+
+    specs = run_specs(args)
+    left = set(report.plan(args, specs)["left"])
+    s = args.settings
+    tokens = s["steps"] * s["batch_size"] * s["max_length"]
+    rows, flops = [], 0.0
+    for spec in specs:
+        if spec.name not in left:
+            continue
+        flags = spec.flags()
+        config = argparse.Namespace(**json.loads((REPO / flags[flags.index("--model_config") + 1]).read_text()))
+        run_flops = model_flops_per_token(config, s["max_length"]) * tokens
+        flops += run_flops
+        rows.append(dict(run=spec.name, layers=config.num_hidden_layers, hidden=config.hidden_size,
+                         analyses=len(spec.analyse_steps), model_pflops=round(run_flops / 1e15, 1)))
+    waves = math.ceil(len(rows) / args.jobs) if rows else 0
+    analyses = max((row["analyses"] for row in rows), default=0)
+    seconds = (flops / (ASSUMED_TFLOPS * 1e12) + waves * (START_SECONDS + analyses * ANALYSIS_SECONDS_PER_CHECKPOINT))
+    return dict(budget=args.budget, device=args.device, runs_left=len(rows), runs=len(specs), jobs=args.jobs,
+                waves=waves, updates=s["steps"], tokens_per_run=tokens,
+                train_split_tokens=report.train_split_tokens(s), rows=rows,
+                estimated_seconds=round(seconds), assumed_tflops=ASSUMED_TFLOPS,
+                analysis_seconds_per_checkpoint=ANALYSIS_SECONDS_PER_CHECKPOINT)
+
+
+def estimate_lines(found: dict) -> str:
+    rows = "\n".join(f"  {r['run']}: L = {r['layers']}, hidden {r['hidden']}, {r['model_pflops']} PFLOP, "
+                     f"{r['analyses']} analysed checkpoints" for r in found["rows"])
+    share = found["tokens_per_run"] / found["train_split_tokens"]
+    return (f"plan: {found['budget']} on {found['device']}: {found['runs_left']} of {found['runs']} runs left, "
+            f"{found['jobs']} at a time ({found['waves']} wave(s)); {found['updates']:,} updates = "
+            f"{found['tokens_per_run'] / 1e6:.1f} M tokens a run ({share:.2f} of the "
+            f"{found['train_split_tokens']:,}-token train split)\n{rows}\n"
+            f"plan: about {found['estimated_seconds']} s (at {found['assumed_tflops']:g} TFLOP/s and "
+            f"{found['analysis_seconds_per_checkpoint']:g} s per analysed checkpoint: an estimate, not a measurement)")
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     started = time.time()
+    if args.estimate:
+        print(estimate_lines(estimate(args)), flush=True)
+        return 0
     if args.plan:
         return report.print_plan(args, run_specs(args) + ([probe_spec(args)] if args.overfit_probe else []))
     records, skipped = runs.collect_records(args, run_specs(args))

@@ -1,9 +1,9 @@
-"""What a GPU lease carries, and its plan: the helpers of utils/gpu_lease.sh's Wikipedia call.
+"""What a GPU lease carries: the helpers of utils/gpu_lease.sh's Wikipedia call (its plan is depth_sweep.py
+--estimate).
 
     python -m utils.gpu_carry travel [--carry .lease] [--limit_mib 60]   # the bytes that would travel; fails above
     python -m utils.gpu_carry pack_corpus --out .lease/wikipedia.tar.xz     # the corpus as text, xz-compressed
     python -m utils.gpu_carry unpack_corpus --archive .lease/wikipedia.tar.xz --out /tmp/wikipedia
-    python -m utils.gpu_carry plan [depth_sweep.py flags]                   # tokens, runs, analyses, a time estimate
     python -m utils.gpu_carry rehearsal_corpus --out DIR                    # a tiny corpus of the same shape (CI)
 
 A call of the device tool sends the working tree (tracked files and untracked files git does not ignore, and a
@@ -24,7 +24,6 @@ import argparse
 import gzip
 import io
 import json
-import math
 import subprocess
 import sys
 import tarfile
@@ -37,13 +36,6 @@ MIB = 1 << 20
 TRAVEL_LIMIT_MIB = 60  # below the tool's 64 MiB
 CORPUS_ARCHIVE = "wikipedia.tar.xz"
 
-# The time estimate's assumptions, to be replaced by the first lease's measurements. A rate of 250 TFLOP/s is a
-# quarter of the H200's dense bf16 peak: eager bf16 autocast at hidden 768 (run_130m.sh, compiled and pure bf16,
-# reached MFU 0.334 there), shared by the wave's processes (time-sliced: their sum, not each). The analyses: the width
-# sweep's GPU records (hidden 512, L = 24, five runs side by side) took 143-147 s for three checkpoints each.
-ASSUMED_TFLOPS = 250.0
-ANALYSIS_SECONDS_PER_CHECKPOINT = 50.0
-START_SECONDS = 40.0  # the wave's processes importing torch and reading the tokenizer
 
 
 def git_files(repo: Path) -> list[Path]:
@@ -140,50 +132,6 @@ def write_rehearsal_corpus(out: Path, shards: int = 3, articles_per_shard: int =
     return out
 
 
-def plan(argv: list[str]) -> dict:
-    """The lease's plan from depth_sweep.py's own flags: the runs left, their tokens and model FLOPs, the analyses,
-    and a time estimate from ASSUMED_TFLOPS (one wave of --jobs runs: the GPU's work is their sum)."""
-    from utils import depth_sweep
-    from utils.model_arithmetic import model_flops_per_token
-    from utils.study import report
-
-    args = depth_sweep.parse_args([*argv, "--plan"])
-    specs = depth_sweep.run_specs(args)
-    left = set(report.plan(args, specs)["left"])
-    s = args.settings
-    tokens = s["steps"] * s["batch_size"] * s["max_length"]
-    rows, flops = [], 0.0
-    for spec in specs:
-        if spec.name not in left:
-            continue
-        flags = spec.flags()
-        config = argparse.Namespace(**json.loads((REPO / flags[flags.index("--model_config") + 1]).read_text()))
-        run_flops = model_flops_per_token(config, s["max_length"]) * tokens
-        flops += run_flops
-        rows.append(dict(run=spec.name, layers=config.num_hidden_layers, hidden=config.hidden_size,
-                         analyses=len(spec.analyse_steps), model_pflops=round(run_flops / 1e15, 1)))
-    waves = math.ceil(len(rows) / args.jobs) if rows else 0
-    analyses = max((row["analyses"] for row in rows), default=0)
-    seconds = (flops / (ASSUMED_TFLOPS * 1e12) + waves * (START_SECONDS + analyses * ANALYSIS_SECONDS_PER_CHECKPOINT))
-    return dict(budget=args.budget, device=args.device, runs_left=len(rows), runs=len(specs), jobs=args.jobs,
-                waves=waves, updates=s["steps"], tokens_per_run=tokens,
-                train_split_tokens=report.train_split_tokens(s), rows=rows,
-                estimated_seconds=round(seconds), assumed_tflops=ASSUMED_TFLOPS,
-                analysis_seconds_per_checkpoint=ANALYSIS_SECONDS_PER_CHECKPOINT)
-
-
-def plan_lines(found: dict) -> str:
-    rows = "\n".join(f"  {r['run']}: L = {r['layers']}, hidden {r['hidden']}, {r['model_pflops']} PFLOP, "
-                     f"{r['analyses']} analysed checkpoints" for r in found["rows"])
-    share = found["tokens_per_run"] / found["train_split_tokens"]
-    return (f"plan: {found['budget']} on {found['device']}: {found['runs_left']} of {found['runs']} runs left, "
-            f"{found['jobs']} at a time ({found['waves']} wave(s)); {found['updates']:,} updates = "
-            f"{found['tokens_per_run'] / 1e6:.1f} M tokens a run ({share:.2f} of the "
-            f"{found['train_split_tokens']:,}-token train split)\n{rows}\n"
-            f"plan: about {found['estimated_seconds']} s (at {found['assumed_tflops']:g} TFLOP/s and "
-            f"{found['analysis_seconds_per_checkpoint']:g} s per analysed checkpoint: an estimate, not a measurement)")
-
-
 def build_parser() -> OneLineErrorParser:
     parser = OneLineErrorParser(prog="python -m utils.gpu_carry", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -200,7 +148,6 @@ def build_parser() -> OneLineErrorParser:
     unpack = commands.add_parser("unpack_corpus", help="the tarball back into a corpus folder")
     unpack.add_argument("--archive", required=True)
     unpack.add_argument("--out", required=True, help="the corpus folder to write (WIKIPEDIA_DATA_DIR then)")
-    commands.add_parser("plan", help="the lease's plan; the other arguments are depth_sweep.py's flags")
     rehearsal = commands.add_parser("rehearsal_corpus", help="a tiny corpus of the same shape (the CPU rehearsal)")
     rehearsal.add_argument("--out", required=True, help="a corpus folder to write")
     return parser
@@ -209,9 +156,6 @@ def build_parser() -> OneLineErrorParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    if argv[:1] == ["plan"]:  # depth_sweep.py parses the rest, with its own one-line errors
-        print(plan_lines(plan(argv[1:])), flush=True)
-        return 0
     args = parser.parse_args(argv)
     if args.command == "travel":
         if args.limit_mib <= 0:

@@ -138,7 +138,7 @@ case $what in
         python -m utils.gpu_carry unpack_corpus --archive "${GPU_LEASE_CORPUS:-$lease/wikipedia.tar.xz}" \
             --out "$corpus" || exit
         export WIKIPEDIA_DATA_DIR=$corpus
-        python -m utils.gpu_carry plan "${sweep[@]}" "$@" | tee "$out/plan.txt" || exit
+        python utils/depth_sweep.py "${sweep[@]}" "$@" --estimate | tee "$out/plan.txt" || exit
         # the records (never a checkpoint: those stay under --runs_dir) and the run logs, as each run ends
         pack() {
             tar czf "$out/wikipedia_gpu.tgz.part" "$folder" 2>/dev/null \
