@@ -41,7 +41,8 @@ WIKIPEDIA_VOCAB_SIZE = 4096
 TRAIN_TOKENS = 28_718_325
 # {(batch_size, max_length): {seed: packed updates before the trainer's stream first repeats an article}}, one
 # process, measured with updates_before_repeat (about 79% of the split: see its docstring).
-SINGLE_PASS_UPDATES = {(16, 128): {1: 11_076, 2: 11_095, 3: 11_081}}
+SINGLE_PASS_UPDATES = {(16, 128): {1: 11_076, 2: 11_095, 3: 11_081},
+                       (64, 256): {1: 1_384, 2: 1_386, 3: 1_385}}  # depth_sweep's wikipedia_gpu (2026-12-02)
 VALIDATION_FILE = "validation.jsonl.gz"
 TRAIN_FOLDER = "train"
 SOURCE = ("5,907 English Wikipedia articles (CC BY-SA 3.0), WikiExtractor output of the GitHub repository "

@@ -35,7 +35,8 @@ Launching (shell scripts):
     gpu_processes       how many processes a GPU recipe starts, and whether it compiles
     gpu_smoke.sh        a 50-update GPU smoke run of the 130M recipe on offline stand-ins
     gpu_check.sh        the one-command GPU check of a change (runs gpu_check.py)
-    gpu_lease.sh        a lent GPU's two prepared calls (check, width_sweep), and both rehearsed on the CPU
+    gpu_lease.sh        a lent GPU's prepared calls (check, width_sweep, wikipedia_depth), rehearsed on the CPU
+    gpu_carry           what a lease carries (the travel check, the corpus as text) and the Wikipedia call's plan
 
 Offline inputs:
     offline_fixtures    C4-layout files and a T5-style tokenizer made from the embedded corpus

@@ -5,6 +5,7 @@
     python utils/depth_sweep.py --budget deep    # adds L=96 to the default's records (resumes across invocations)
     python utils/depth_sweep.py --budget long    # 3x the tokens per run (resumes across invocations)
     python utils/depth_sweep.py --budget rivals  # adds GPAS and BHyT at L=24 and 48 to the default's records
+    python utils/depth_sweep.py --budget wikipedia_gpu --device cuda --no-compile --jobs 6  # hidden 768, one GPU
     python utils/depth_sweep.py --overfit_probe  # also find where the corpus overfits at the deepest depth
     python utils/depth_sweep.py --quick          # smoke test (CI)
     python utils/depth_sweep.py --report_only    # rewrite the report from the saved records
@@ -32,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from peft_pretraining.cli import OneLineErrorParser
+from peft_pretraining.wikipedia_corpus import SINGLE_PASS_UPDATES, TRAIN_TOKENS
 from utils.study import claims, cli, measures, plots, report, runs, verdicts
 from utils.study.runs import RunSpec
 from utils.study.sweep import (
@@ -92,6 +94,44 @@ BUDGETS["wikipedia_2400"] = dict(BUDGETS["wikipedia"], steps=2_400, warmup=240, 
 BUDGETS["wikipedia_5000"] = dict(BUDGETS["wikipedia"], steps=5_000, warmup=500, save_every=625, depths=(6, 12, 24),
                                  first_depths=(), out="docs/depth_sweep_wikipedia_5000",
                                  runs_dir="runs/depth_sweep_wikipedia_5000")
+# Issue 68, the paper's width on one GPU: the 130M block shape (hidden 768, 12 heads of 64, MLP 2048) at L = 6, 12
+# and 24 on the Wikipedia split. A step is 64 sequences of 256 tokens, the paper's 130M micro-batch (run_130m.sh
+# --batch_size 64) without its 8-fold accumulation, so that one pass is some 1,350 updates rather than 170: enough for
+# the warmup and the cosine to mean what they do in the CPU sweep. The rate is the paper's 130M one, 1e-3 (chosen at
+# 8 times this batch; a smaller batch tolerates no higher rate, and a lower one would leave a one-pass run short of
+# updates). bf16 autocast (--dtype mixed) and eager (--no-compile) in the lease call (utils/gpu_lease.sh).
+GPU_BATCH_SIZE, GPU_MAX_LENGTH = 64, 256
+# The analyses (thirds) fall on saves and on evals: the update count is a multiple of 3 x GPU_EVAL_EVERY.
+GPU_EVAL_EVERY = 150
+
+
+def single_pass_steps(batch_size: int, max_length: int, multiple: int) -> int:
+    """The most updates, a multiple of `multiple`, within one pass over the Wikipedia train split at this batch:
+    below the update at which any seed's stream first repeats an article (SINGLE_PASS_UPDATES, measured) and within
+    the split's token count (TRAIN_TOKENS)."""
+    repeats_at = min(SINGLE_PASS_UPDATES[(batch_size, max_length)].values())
+    bound = min(repeats_at, TRAIN_TOKENS // (batch_size * max_length))
+    return bound // multiple * multiple
+
+
+WIKIPEDIA_GPU_STEPS = single_pass_steps(GPU_BATCH_SIZE, GPU_MAX_LENGTH, 3 * GPU_EVAL_EVERY)
+# The instruments, held-out articles, eval tokens and clipping are the CPU Wikipedia sweep's; the model, the batch,
+# the rate and the length of the run are the GPU's. It saves at the analysis points only (each a few GB at L = 24):
+# a run cut between them resumes from the last one, and the runs of a seed are one wave of --jobs 6.
+BUDGETS["wikipedia_gpu"] = dict(BUDGETS["wikipedia"], depths=(6, 12, 24), first_depths=(), hidden_size=768,
+                                intermediate_size=2048, num_attention_heads=12, batch_size=GPU_BATCH_SIZE,
+                                max_length=GPU_MAX_LENGTH, lr="1e-3", steps=WIKIPEDIA_GPU_STEPS,
+                                warmup=WIKIPEDIA_GPU_STEPS // 10, eval_every=GPU_EVAL_EVERY,
+                                save_every=WIKIPEDIA_GPU_STEPS // 3, out="docs/depth_sweep_wikipedia_gpu",
+                                runs_dir="runs/depth_sweep_wikipedia_gpu")
+# The same lines at tiny sizes for the CPU rehearsal (gpu_lease.sh rehearse_wikipedia): the Wikipedia corpus and
+# tokenizer, two heads of 8, a few updates; its records go to the rehearsal's own folders.
+BUDGETS["wikipedia_gpu_quick"] = dict(BUDGETS["wikipedia_gpu"], depths=(2, 4), hidden_size=16, intermediate_size=32,
+                                      num_attention_heads=2, batch_size=2, max_length=32, steps=6, warmup=1,
+                                      eval_every=2, save_every=2, eval_tokens=256, seeds=(1, 2), stream_tokens=128,
+                                      jacobian_tokens=2, jacobian_probes=0, removal_documents=2,
+                                      out="runs/depth_sweep_wikipedia_gpu_quick/report",
+                                      runs_dir="runs/depth_sweep_wikipedia_gpu_quick")
 PREDICTIONS = [
     # (the paper's prediction, norm type, measure, expected sign of d(measure)/d(ln L), log-transform the measure)
     ("Pre-LN's variance growth rises with depth", "pre", "variance_growth", +1, True),
@@ -111,7 +151,14 @@ COMPARATIVE = {"variance_growth": -1, "angular_deep": +1, "jacobian_deep": +1, "
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_study_arguments(parser, BUDGETS)
+    cli.add_study_arguments(parser, BUDGETS, budget_help=(
+        "named budget (see above). wikipedia_gpu is meant for one GPU (--device cuda --no-compile --jobs 6; "
+        "utils/gpu_lease.sh wikipedia_depth is its lease call): the paper's 130M block shape (hidden 768, 12 heads "
+        f"of 64, MLP 2048) at L = 6, 12, 24 on the Wikipedia split, {GPU_BATCH_SIZE} x {GPU_MAX_LENGTH} tokens a "
+        f"step (the paper's 130M micro-batch, without its accumulation) for {WIKIPEDIA_GPU_STEPS:,} updates (one "
+        "pass: below the first repeated article), lr 1e-3 (the paper's 130M rate), bf16 autocast (--dtype mixed), "
+        "the CPU Wikipedia sweep's instruments and held-out articles; each seed's six runs are one wave, and "
+        "rerunning the command resumes. wikipedia_gpu_quick: the same at tiny sizes (the CPU rehearsal)"))
     parser.add_argument("--depths", nargs="+", type=int, default=None, help="override the budget's depths")
     parser.add_argument("--first_depths", nargs="+", type=int, default=None,
                         help="train every seed of these depths before the others' (default: the budget's order, "
@@ -120,11 +167,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overfit_probe", action="store_true",
                         help="also train the overfitting probe (one long LNS run at the deepest depth; about 80 "
                              "minutes at L=48); without it the report uses the probe's record when there is one")
+    parser.add_argument("--estimate", action="store_true",
+                        help="print the runs left, their tokens and model FLOPs, the analyses and an estimated time "
+                             "(from an assumed GPU rate, not a measurement), and exit; trains nothing and needs no "
+                             "GPU (utils/gpu_lease.sh prints it before training)")
+    parser.add_argument("--keep_checkpoints", action=argparse.BooleanOptionalAction, default=None,
+                        help="keep each run's checkpoints once its record is written (default: kept on the CPU, "
+                             "deleted on a GPU, where wikipedia_gpu's L = 24 runs save gigabytes each)")
     return parser
 
 
 def parse_args(argv=None):
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--estimate" in argv and "--plan" not in argv:  # an estimate, like a plan, trains nothing and needs no GPU
+        argv.append("--plan")
     args = cli.parse_study_args(parser, argv, BUDGETS, ("depths", "seeds"))
     if any(d < 2 for d in args.settings["depths"]):
         parser.error(f"--depths: every depth must be at least 2, got {args.settings['depths']}")
@@ -132,6 +189,8 @@ def parse_args(argv=None):
         parser.error("--depths: give at least two different depths (the verdicts are slopes against depth)")
     if args.first_depths and not set(args.first_depths) <= set(args.settings["depths"]):
         parser.error(f"--first_depths: {args.first_depths} are not all among the depths {list(args.settings['depths'])}")
+    if args.keep_checkpoints is None:
+        args.keep_checkpoints = args.device == "cpu"
     return args
 
 
@@ -139,11 +198,18 @@ def depth_axis(args) -> Axis:
     return Axis("L", "L", "layers L", "depth", tuple(args.settings["depths"]))
 
 
+# A budget's model settings over the base config's (wikipedia_gpu's width; every other budget keeps the base's)
+MODEL_SETTINGS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads")
+
+
 def depth_config(args, depth: int) -> str:
-    """The base config with `depth` layers, and the budget's vocabulary where it sets one (its tokenizer's)."""
-    hidden = json.loads((REPO / BASE_CONFIG).read_text())["hidden_size"]
-    vocab = {"vocab_size": args.settings["vocab_size"]} if "vocab_size" in args.settings else {}
-    return write_config(args, f"llama_h{hidden}_L{depth}.json", num_hidden_layers=depth, **vocab)
+    """The base config with `depth` layers, and the budget's vocabulary (its tokenizer's) and width where it sets
+    them; the heads are all key-value heads, as in the base."""
+    changes = {name: args.settings[name] for name in MODEL_SETTINGS if name in args.settings}
+    if "num_attention_heads" in changes:
+        changes["num_key_value_heads"] = changes["num_attention_heads"]
+    hidden = changes.get("hidden_size", json.loads((REPO / BASE_CONFIG).read_text())["hidden_size"])
+    return write_config(args, f"llama_h{hidden}_L{depth}.json", num_hidden_layers=depth, **changes)
 
 
 def run_specs(args) -> list[RunSpec]:
@@ -766,10 +832,65 @@ Raw numbers: one JSON record per run in `runs/`, and `summary{suffix}.json`.
     return report.write_report_files(out, text, summary, suffix)
 
 
+# ------------------------------------------------------------------------------------------------------ lease estimate
+
+# The time estimate's assumptions, to be replaced by the first lease's measurements. A rate of 250 TFLOP/s is a
+# quarter of the H200's dense bf16 peak: eager bf16 autocast at hidden 768 (run_130m.sh, compiled and pure bf16,
+# reached MFU 0.334 there), shared by the wave's processes (time-sliced: their sum, not each). The analyses: the width
+# sweep's GPU records (hidden 512, L = 24, five runs side by side) took 143-147 s for three checkpoints each.
+ASSUMED_TFLOPS = 250.0
+ANALYSIS_SECONDS_PER_CHECKPOINT = 50.0
+START_SECONDS = 40.0  # the wave's processes importing torch and reading the tokenizer
+
+
+def estimate(args) -> dict:
+    """--estimate: the runs left, their tokens and model FLOPs, the analyses, and a time estimate from
+    ASSUMED_TFLOPS (a wave of --jobs runs shares one GPU: the GPU's work is their sum). Trains nothing."""
+    from utils.model_arithmetic import model_flops_per_token
+
+    specs = run_specs(args)
+    left = set(report.plan(args, specs)["left"])
+    s = args.settings
+    tokens = s["steps"] * s["batch_size"] * s["max_length"]
+    rows, flops = [], 0.0
+    for spec in specs:
+        if spec.name not in left:
+            continue
+        flags = spec.flags()
+        config = argparse.Namespace(**json.loads((REPO / flags[flags.index("--model_config") + 1]).read_text()))
+        run_flops = model_flops_per_token(config, s["max_length"]) * tokens
+        flops += run_flops
+        rows.append(dict(run=spec.name, layers=config.num_hidden_layers, hidden=config.hidden_size,
+                         analyses=len(spec.analyse_steps), model_pflops=round(run_flops / 1e15, 1)))
+    waves = math.ceil(len(rows) / args.jobs) if rows else 0
+    analyses = max((row["analyses"] for row in rows), default=0)
+    seconds = (flops / (ASSUMED_TFLOPS * 1e12) + waves * (START_SECONDS + analyses * ANALYSIS_SECONDS_PER_CHECKPOINT))
+    return dict(budget=args.budget, device=args.device, runs_left=len(rows), runs=len(specs), jobs=args.jobs,
+                waves=waves, updates=s["steps"], tokens_per_run=tokens,
+                train_split_tokens=report.train_split_tokens(s), rows=rows,
+                estimated_seconds=round(seconds), assumed_tflops=ASSUMED_TFLOPS,
+                analysis_seconds_per_checkpoint=ANALYSIS_SECONDS_PER_CHECKPOINT)
+
+
+def estimate_lines(found: dict) -> str:
+    rows = "\n".join(f"  {r['run']}: L = {r['layers']}, hidden {r['hidden']}, {r['model_pflops']} PFLOP, "
+                     f"{r['analyses']} analysed checkpoints" for r in found["rows"])
+    share = found["tokens_per_run"] / found["train_split_tokens"]
+    return (f"plan: {found['budget']} on {found['device']}: {found['runs_left']} of {found['runs']} runs left, "
+            f"{found['jobs']} at a time ({found['waves']} wave(s)); {found['updates']:,} updates = "
+            f"{found['tokens_per_run'] / 1e6:.1f} M tokens a run ({share:.2f} of the "
+            f"{found['train_split_tokens']:,}-token train split)\n{rows}\n"
+            f"plan: about {found['estimated_seconds']} s (at {found['assumed_tflops']:g} TFLOP/s and "
+            f"{found['analysis_seconds_per_checkpoint']:g} s per analysed checkpoint: an estimate, not a measurement)")
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     started = time.time()
+    if args.estimate:
+        print(estimate_lines(estimate(args)), flush=True)
+        return 0
     if args.plan:
         return report.print_plan(args, run_specs(args) + ([probe_spec(args)] if args.overfit_probe else []))
     records, skipped = runs.collect_records(args, run_specs(args))

@@ -65,8 +65,6 @@ def resolve_study_args(parser: argparse.ArgumentParser, args, budgets: dict) -> 
         parser.error(f"--jobs must be positive, got {args.jobs}")
     if args.max_hours is not None and args.max_hours <= 0:
         parser.error(f"--max_hours must be positive, got {args.max_hours}")
-    # one deadline for the whole invocation, however many collect_records calls it makes (the sweep, then its probe)
-    args.deadline = None if args.max_hours is None else time.time() + 3600 * args.max_hours
     trains = not (args.report_only or args.plan)
     if args.device == "cuda" and trains and not cuda_available():  # a GPU's records report and plan anywhere
         parser.error("--device cuda: no CUDA device is visible on this machine")
@@ -77,6 +75,9 @@ def resolve_study_args(parser: argparse.ArgumentParser, args, budgets: dict) -> 
         except ImportError as err:
             parser.error(f"the removal analysis needs lm-eval, which does not import here ({err}); pip install -r "
                          "exp_requirements.txt")
+    # one deadline for the whole invocation, however many collect_records calls it makes (the sweep, then its
+    # probe), counted after the lm-eval import above (tens of seconds on a busy machine: not the runs' time)
+    args.deadline = None if args.max_hours is None else time.time() + 3600 * args.max_hours
     if trains and args.device == "cpu" and args.dtype == "mixed" and not bf16_instructions():
         print("note: this CPU names no bf16 instructions (avx512_bf16, amx_bf16); --dtype mixed emulates bf16 "
               "products here and trains about 3x slower than --dtype float32 (docs/study.md)", file=sys.stderr)
