@@ -197,10 +197,23 @@ PROSE_CLAIMS = [
 
 
 def lead_direction(summary: dict) -> str:
-    """"grows, inside noise so far" (a budget still landing its seeds) or "grows" / "shrinks" with its verdict."""
+    """The lead's direction with depth and how sure it is: "grows, inside noise so far" (a budget still landing its
+    seeds), or "grows" / "shrinks" "clear of zero over N seeds". No phrase is a prefix of another, so a README that
+    keeps an old verdict fails."""
     prediction = results_table.find(summary["predictions"], results_table.LEAD_PREDICTION, "the short budget")
     verb = "grows" if prediction["effect"] > 0 else "shrinks"
-    return f"{verb}, inside noise so far" if prediction["status"] == verdicts.INSIDE_NOISE else verb
+    if prediction["status"] == verdicts.INSIDE_NOISE:
+        return f"{verb}, inside noise so far"
+    return f"{verb}, clear of zero over {prediction['n_pairs']} {prediction['unit']}"
+
+
+def test_no_lead_phrase_is_a_prefix_of_another():
+    summary = {"predictions": [dict(claim=results_table.LEAD_PREDICTION, effect=0.1, status=status, n_pairs=3,
+                                    unit="seeds") for status in [verdicts.INSIDE_NOISE]]}
+    noisy = lead_direction(summary)
+    summary["predictions"][0]["status"] = verdicts.REPRODUCED
+    clear = lead_direction(summary)
+    assert not noisy.startswith(clear) and not clear.startswith(noisy)
 
 
 def prose_errors(prose: str, summaries: results_table.Summaries) -> list[str]:
