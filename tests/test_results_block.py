@@ -347,22 +347,6 @@ def test_the_check_computes_arm_pairs_from_the_records_and_catches_a_drifted_one
     assert unmatched(drifted, [report]) == [drifted]
 
 
-def commands_in(text: str) -> set[str]:
-    """The python command lines of a shell text, continuation lines joined, comments and `rebuild ` dropped."""
-    joined = re.sub(r"\\\n\s*", "", text)
-    lines = (re.sub(r"\s+#.*$", "", line.strip()).removeprefix("rebuild ") for line in joined.splitlines())
-    return {re.sub(r"\s*>\s*/dev/null$", "", line) for line in lines if line.startswith("python ")}
-
-
-def test_the_studies_index_lists_every_report_the_rebuild_rewrites():
-    """docs/studies.md's list of commands and .ci/rebuild_reports name the same reports, so neither drifts."""
-    index = (REPO / "docs/studies.md").read_text()
-    block = index[index.index("```bash"):index.index("```", index.index("```bash") + 3)]
-    listed = {line.replace(" --report_only", "") for line in commands_in(block)}
-    rebuilt = {line.replace(" --check", "") for line in commands_in((REPO / ".ci/rebuild_reports").read_text())}
-    assert listed == rebuilt
-
-
 def test_the_results_block_is_at_most_400_words_around_its_table():
     """Issue 65: a researcher reads the block in three minutes; the table carries the verdicts."""
     assert len(prose_of(readme_block(README.read_text())).split()) <= 400
