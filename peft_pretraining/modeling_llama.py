@@ -10,8 +10,9 @@ norms, gates, DyT's alpha and bias, BHyT's lam, HybridNorm's q_norm/k_norm as in
 placement module, the norm or the attention, so weights move freely.
 
 The model is built from a `NormPlacementConfig` (a `transformers.LlamaConfig` under its own model_type, below) with
-extra attributes (all optional, defaults in brackets):
-    norm_type         one of NORM_TYPES, case-insensitive; "cod" (the paper's uploaded code) is an alias of "lns" [pre]
+extra attributes (all optional, defaults in brackets). A placement's own settings are `Setting`s in its row (the
+trainer's flags of the same names are built from them); they are listed here too:
+    norm_type         a row of PLACEMENTS, case-insensitive; "cod" (the paper's uploaded code) is an alias of "lns" [pre]
     post_num          Mix-LN: layers with 0-based index < post_num are Post-LN, the rest Pre-LN [0]
     init_method       normal | scaled | depth_scaled [normal]
     layerscale_form   channel (one gain per channel) | scalar (one gain per sublayer) [channel]
@@ -84,9 +85,27 @@ def as_norm_placement_config(config) -> NormPlacementConfig:
 
 
 def canonical_norm_type(value) -> str:
-    """Lower-cased norm type with aliases resolved ("COD" -> "lns"); unknown names pass through for validation."""
+    """The one place a norm type is made canonical: lower-cased, aliases resolved ("COD" -> "lns"); ValueError
+    naming every choice for a name that is no row of PLACEMENTS."""
     name = str(value).lower()
-    return NORM_TYPE_ALIASES.get(name, name)
+    name = NORM_TYPE_ALIASES.get(name, name)
+    if name not in PLACEMENTS:
+        raise ValueError(f"unknown norm_type {value!r}; valid choices: {', '.join(norm_type_choices())}")
+    return name
+
+
+def norm_types() -> tuple[str, ...]:
+    """Every norm type: the rows of PLACEMENTS, read at each call (a row added later is one)."""
+    return tuple(PLACEMENTS)
+
+
+def norm_type_choices() -> tuple[str, ...]:
+    return (*norm_types(), *NORM_TYPE_ALIASES)
+
+
+def layer_placements() -> tuple[str, ...]:
+    """The rows a single layer can be built from (not the mixes, such as post_pre)."""
+    return tuple(name for name, row in PLACEMENTS.items() if row.residuals is not None)
 
 
 def _choice(value, valid, what: str, aliases: dict | None = None) -> str:
@@ -95,6 +114,61 @@ def _choice(value, valid, what: str, aliases: dict | None = None) -> str:
     if name not in valid:
         raise ValueError(f"unknown {what} {value!r}; valid choices: {', '.join((*valid, *(aliases or {})))}")
     return name
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting of a placement: a config key, the trainer's flag of the same name (`--<key>`), its default and
+    its check. A resumed run takes the checkpoint's value unless the flag says otherwise."""
+    key: str
+    help: str
+    default: object = None  # a value, or a function of the settings resolved before this one
+    choices: tuple[str, ...] = ()  # a choice (lower-cased); otherwise a number
+    minimum: float | None = None  # a number at least this
+    positive: bool = False  # a number above 0
+    count: int = 1  # numbers per value: 2 for a pair, written as a list
+    depends_on: str | None = None  # the setting whose value decides this one's default: a saved value is kept
+    #                                only under the same value of that one
+
+    def default_for(self, resolved: dict):
+        return self.default(resolved) if callable(self.default) else self.default
+
+    def check(self, value):
+        """The canonical value (lower-cased choice, float, or list of floats); ValueError naming the key."""
+        if self.choices:
+            return _choice(value, self.choices, self.key)
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        if len(values) != self.count or not all(self._valid_number(v) for v in values):
+            bound = " > 0" if self.positive else f" >= {self.minimum}" if self.minimum is not None else ""
+            what = f"{self.count} finite numbers{bound}" if self.count > 1 else f"a finite number{bound}"
+            raise ValueError(f"{self.key}={value!r} is not {what}")
+        return [float(v) for v in values] if self.count > 1 else float(values[0])
+
+    def _valid_number(self, v) -> bool:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return False
+        return not ((self.minimum is not None and v < self.minimum) or (self.positive and v <= 0))
+
+    def help_text(self) -> str:
+        return self.help if callable(self.default) else f"{self.help} (default {self.default})"
+
+
+def placement_settings() -> dict[str, Setting]:
+    """Every row's settings by key, in the rows' order (a setting shared by rows is listed once)."""
+    found = {}
+    for row in PLACEMENTS.values():
+        for setting in row.settings:
+            found.setdefault(setting.key, setting)
+    return found
+
+
+def resolve_settings(config) -> dict:
+    """Every placement setting's value for `config` (its own, else the default), checked."""
+    resolved = {}
+    for key, setting in placement_settings().items():
+        value = getattr(config, key, None)
+        resolved[key] = setting.check(setting.default_for(resolved) if value is None else value)
+    return resolved
 
 
 def _number(config, key: str, default: float, minimum: float | None = None) -> float:
@@ -114,20 +188,14 @@ def _number(config, key: str, default: float, minimum: float | None = None) -> f
 
 @dataclass(frozen=True)
 class LayerPlan:
-    placements: list[str]  # one of LAYER_PLACEMENTS per layer
+    placements: list[str]  # one of layer_placements() per layer
     depths: list[int]  # 1-based depth of each layer, used by LNS and depth-scaled init
     depth_scaling_num_layers: int  # the L of DeepNorm's alpha and beta and CompleteP's L^-alpha (kept after removal)
     init_method: str
     final_norm: str  # "dyt" or "rms"
-    layerscale_form: str
-    layerscale_init: float
-    completep_alpha: float
-    deepnorm_init: str
     embed_init_std: float
-    dyt_alpha_init: tuple[float, float]
-    bhyt_lambda_init: tuple[float, float]
-    bhyt_kappa: float
-    bhyt_seq_len: int  # BHyT's T: the trained context length
+    train_max_length: int  # the trained context length (BHyT's T)
+    settings: dict  # every placement setting by key (resolve_settings), checked
 
 
 # LlamaConfig features this model does not implement, with the values it does: anything else is an error, not
@@ -152,20 +220,16 @@ def layer_plan(config) -> LayerPlan:
     """The per-layer placement and depth implied by the config; validates every value."""
     check_llama_features(config)
     num_layers = config.num_hidden_layers
-    norm_type = _choice(getattr(config, "norm_type", "pre"), NORM_TYPES, "norm_type", NORM_TYPE_ALIASES)
+    norm_type = canonical_norm_type(getattr(config, "norm_type", "pre"))
     init_method = _choice(getattr(config, "init_method", "normal"), INIT_METHODS, "init_method")
-
+    row = PLACEMENTS[norm_type]
     placements = getattr(config, "layer_norm_types", None)
     if placements is None:
-        if norm_type == "post_pre":
-            post_num = getattr(config, "post_num", None)
-            if not isinstance(post_num, int) or isinstance(post_num, bool) or not 0 <= post_num <= num_layers:
-                raise ValueError(f"post_num={post_num!r} is out of range for post_pre; valid: an int in "
-                                 f"[0, {num_layers}]")
-            placements = ["post"] * post_num + ["pre"] * (num_layers - post_num)
-        else:
-            placements = [norm_type] * num_layers
-    placements = [_choice(p, LAYER_PLACEMENTS, "layer placement", NORM_TYPE_ALIASES) for p in placements]
+        placements = row.mix(config) if row.mix is not None else [norm_type] * num_layers
+    placements = [_choice(p, layer_placements(), "layer placement", NORM_TYPE_ALIASES) for p in placements]
+    if row.stream is not None and set(placements) != {norm_type}:
+        raise ValueError(f"norm_type {norm_type} changes the residual stream itself: every layer must be "
+                         f"{norm_type}, got {sorted(set(placements))}")
 
     depths = list(getattr(config, "layer_depths", None) or range(1, num_layers + 1))
     depth_scaling_num_layers = getattr(config, "depth_scaling_num_layers", None) or num_layers
@@ -174,28 +238,20 @@ def layer_plan(config) -> LayerPlan:
             f"layer_norm_types ({len(placements)}) and layer_depths ({len(depths)}) must both have "
             f"num_hidden_layers={num_layers} entries"
         )
-    layerscale_form = _choice(getattr(config, "layerscale_form", None) or DEFAULT_LAYERSCALE_FORM, LAYERSCALE_FORMS,
-                              "layerscale_form")
-    dyt_alpha_init = tuple(getattr(config, "dyt_alpha_init", None) or DEFAULT_DYT_ALPHA_INIT)
-    if len(dyt_alpha_init) != 2 or not all(isinstance(a, (int, float)) and a > 0 for a in dyt_alpha_init):
-        raise ValueError(f"dyt_alpha_init={dyt_alpha_init!r} must be two positive numbers (attention, other)")
-    bhyt_lambda_init = tuple(getattr(config, "bhyt_lambda_init", None) or DEFAULT_BHYT_LAMBDA_INIT)
-    if len(bhyt_lambda_init) != 2 or not all(isinstance(a, (int, float)) and a > 0 for a in bhyt_lambda_init):
-        raise ValueError(f"bhyt_lambda_init={bhyt_lambda_init!r} must be two positive numbers (attention, MLP)")
     return LayerPlan(
-        placements, depths, depth_scaling_num_layers, init_method,
-        final_norm=PLACEMENTS[norm_type].final_norm if norm_type in PLACEMENTS else "rms",
-        layerscale_form=layerscale_form,
-        layerscale_init=_number(config, "layerscale_init", DEFAULT_LAYERSCALE_INIT[layerscale_form]),
-        completep_alpha=_number(config, "completep_alpha", DEFAULT_COMPLETEP_ALPHA, minimum=0.0),
-        deepnorm_init=_choice(getattr(config, "deepnorm_init", None) or DEFAULT_DEEPNORM_INIT, DEEPNORM_INITS,
-                              "deepnorm_init"),
+        placements, depths, depth_scaling_num_layers, init_method, final_norm=row.final_norm,
         embed_init_std=_number(config, "embed_init_std", config.initializer_range, minimum=0.0),
-        dyt_alpha_init=(float(dyt_alpha_init[0]), float(dyt_alpha_init[1])),
-        bhyt_lambda_init=(float(bhyt_lambda_init[0]), float(bhyt_lambda_init[1])),
-        bhyt_kappa=_number(config, "bhyt_kappa", DEFAULT_BHYT_KAPPA, minimum=1e-6),
-        bhyt_seq_len=int(getattr(config, "train_max_length", None) or config.max_position_embeddings),
+        train_max_length=int(getattr(config, "train_max_length", None) or config.max_position_embeddings),
+        settings=resolve_settings(config),
     )
+
+
+def mix_ln_layers(config) -> list[str]:
+    """Mix-LN: layers with 0-based index < post_num are Post-LN, the rest Pre-LN."""
+    num_layers, post_num = config.num_hidden_layers, getattr(config, "post_num", None)
+    if not isinstance(post_num, int) or isinstance(post_num, bool) or not 0 <= post_num <= num_layers:
+        raise ValueError(f"post_num={post_num!r} is out of range for post_pre; valid: an int in [0, {num_layers}]")
+    return ["post"] * post_num + ["pre"] * (num_layers - post_num)
 
 
 def freeze_layer_plan(config):
@@ -620,6 +676,21 @@ class BHyTApproximated(BHyT):
             return (attention.o_proj.weight.detach().float() @ w_v).pow(2).sum()
 
 
+class ResidualSum(nn.Module):
+    """The residual stream of every placement but AttnRes and mHC: one tensor, the running sum the layers add to.
+    A stream module's `begin` turns the embedding into the stream, `layer_output` is what output_hidden_states
+    (and so every analysis tool) reads as a layer's output, and `end` is what the final norm gets."""
+
+    def begin(self, x):
+        return x
+
+    def layer_output(self, stream):
+        return stream
+
+    def end(self, stream):
+        return stream
+
+
 def rms_norm(config) -> RMSNorm:
     return RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -644,15 +715,15 @@ def rms_block_norms(layer: LayerContext) -> tuple[nn.Module, nn.Module]:
 
 
 def dyt_block_norms(layer: LayerContext):
-    attn_alpha, other_alpha = layer.plan.dyt_alpha_init
+    attn_alpha, other_alpha = layer.plan.settings["dyt_alpha_init"]
     return DyT(layer.config.hidden_size, attn_alpha), DyT(layer.config.hidden_size, other_alpha)
 
 
 def bhyt_block_norms(layer: LayerContext):
-    (attn_lambda, mlp_lambda), kappa = layer.plan.bhyt_lambda_init, layer.plan.bhyt_kappa
+    (attn_lambda, mlp_lambda), kappa = layer.plan.settings["bhyt_lambda_init"], layer.plan.settings["bhyt_kappa"]
     before_attention = BHyT(layer.config.hidden_size, attn_lambda, kappa)
     before_mlp = BHyTApproximated(layer.config.hidden_size, mlp_lambda, kappa, before_attention, layer.attention,
-                                  layer.plan.bhyt_seq_len)
+                                  layer.plan.train_max_length)
     return before_attention, before_mlp
 
 
@@ -674,15 +745,15 @@ def gpas_around(inner: Callable[[LayerContext], nn.Module]):
 
 
 def layerscale_gate(layer: LayerContext) -> GatedPreNorm:
-    size = layer.config.hidden_size if layer.plan.layerscale_form == "channel" else 1
-    return GatedPreNorm(size, layer.plan.layerscale_init)
+    size = layer.config.hidden_size if layer.plan.settings["layerscale_form"] == "channel" else 1
+    return GatedPreNorm(size, layer.plan.settings["layerscale_init"])
 
 
 def deepnorm_branch_init(decoder_layer: DecoderLayer, plan: LayerPlan):
     """Tags the value, output and MLP projections (and under the reference init q and k) for `_init_weights`."""
     attention, mlp = decoder_layer.self_attn, decoder_layer.mlp
     value_output_mlp = (attention.v_proj, attention.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    if plan.deepnorm_init == "deepnet":  # DeepNet: value, output and FFN projections get beta = (8L)^(-1/4)
+    if plan.settings["deepnorm_init"] == "deepnet":  # DeepNet: value, output and FFN projections get beta = (8L)^(-1/4)
         _scale_init_std(value_output_mlp, (8 * plan.depth_scaling_num_layers) ** -0.25)
     else:  # the reference code: Xavier-normal, gain (8L)^(+1/4) on v, o and the MLP, gain 1 on q and k
         for linear in value_output_mlp:
@@ -693,19 +764,44 @@ def deepnorm_branch_init(decoder_layer: DecoderLayer, plan: LayerPlan):
 
 @dataclass(frozen=True)
 class Placement:
-    """One row of PLACEMENTS: the modules a decoder layer of this placement is built from."""
-    residuals: Callable[[LayerContext], tuple[nn.Module, nn.Module]]  # (attn_residual, mlp_residual)
+    """One row of PLACEMENTS: the label the studies print, the modules a decoder layer of this placement is built
+    from, its settings (each a config key and a trainer flag) and whether it exports to stock Llama. A row whose
+    `mix` is set builds no layer itself: it names another row for each layer (Mix-LN)."""
+    label: str
+    residuals: Callable[[LayerContext], tuple[nn.Module, nn.Module]] | None  # (attn_residual, mlp_residual)
     block_norms: Callable[[LayerContext], tuple[nn.Module, nn.Module]] = rms_block_norms
     qkv_norm: bool = False  # an RMSNorm on each head's q, k and v inside attention
     final_norm: str = "rms"  # the model's last norm ("rms" or "dyt") when norm_type names this row
     branch_init: Callable[[DecoderLayer, LayerPlan], None] | None = None  # tags linears whose init is not the usual
     exports_to_stock_llama: bool = False  # llama_export.py folds its residuals' stock_llama_factors into the weights
+    settings: tuple[Setting, ...] = ()
+    mix: Callable[[LlamaConfig], list[str]] | None = None  # the row of each layer, for a row that mixes rows
+    # The residual stream when it is not the running sum x (ResidualSum): a module of the backbone that starts it
+    # from the embedding, reads "a layer's output" from it (output_hidden_states) and ends it into the final norm.
+    stream: Callable[[LlamaConfig, LayerPlan], nn.Module] | None = None
 
+
+DEEPNORM_INIT = Setting("deepnorm_init", "deepnorm: deepnet (std * (8L)^-1/4) or reference (the authors' Xavier "
+                        "gains)", DEFAULT_DEEPNORM_INIT, choices=DEEPNORM_INITS)
+LAYERSCALE_FORM = Setting("layerscale_form", "layerscale: one gain per channel or one scalar per sublayer",
+                          DEFAULT_LAYERSCALE_FORM, choices=LAYERSCALE_FORMS)
+LAYERSCALE_INIT = Setting("layerscale_init", "initial LayerScale gain (default: " + ", ".join(
+    f"{v} for {k}" for k, v in DEFAULT_LAYERSCALE_INIT.items()) + ")",
+    lambda resolved: DEFAULT_LAYERSCALE_INIT[resolved["layerscale_form"]], depends_on="layerscale_form")
+DYT_ALPHA_INIT = Setting("dyt_alpha_init", "dyt: alpha0 before attention, and before the MLP and at the final norm",
+                         list(DEFAULT_DYT_ALPHA_INIT), positive=True, count=2)
+COMPLETEP_ALPHA = Setting("completep_alpha", "completep: branches are multiplied by L^-alpha (0.5 is depth-muP)",
+                          DEFAULT_COMPLETEP_ALPHA, minimum=0.0)
+BHYT_LAMBDA_INIT = Setting("bhyt_lambda_init", "bhyt: lambda0 before attention and before the MLP",
+                           list(DEFAULT_BHYT_LAMBDA_INIT), positive=True, count=2)
+BHYT_KAPPA = Setting("bhyt_kappa", "bhyt: kappa, the tanh input has RMS lambda/kappa", DEFAULT_BHYT_KAPPA,
+                     minimum=1e-6)
 
 #   x ──► attn_residual(x, Attn, input_layernorm) ──► h ──► mlp_residual(h, MLP, post_attention_layernorm) ──► out
 #
 #   pre         h = x + Attn(N1(x))                     out = h + MLP(N2(h))
 #   post        h = N1(x + Attn(x))                     out = N2(h + MLP(h))
+#   post_pre    post for the first post_num layers, pre after (Mix-LN)
 #   lns         h = x + Attn(N1(x) / sqrt(l))           out = h + MLP(N2(h) / sqrt(l))
 #   deepnorm    h = N1(alpha * x + Attn(x))             out = N2(alpha * h + MLP(h))
 #   layerscale  h = x + g1 * Attn(N1(x))                out = h + g2 * MLP(N2(h))      g per channel or scalar
@@ -720,30 +816,36 @@ class Placement:
 #   bhyt        as pre, N(y) = w * tanh(lam * y / (kappa * s)); s = rms(x) in N1, in N2 rms(x) with Attn's share
 #   hybridnorm  h = x + Attn_qkvnorm(x)                 out = N2(h) + MLP(N2(h))
 PLACEMENTS = {
-    "pre": Placement(each_sublayer(lambda layer: PreNorm()), exports_to_stock_llama=True),
-    "post": Placement(each_sublayer(lambda layer: PostNorm())),
-    "lns": Placement(each_sublayer(lambda layer: ScaledPreNorm(layer.depth)), exports_to_stock_llama=True),
-    "deepnorm": Placement(each_sublayer(lambda layer: DeepNormResidual(layer.plan.depth_scaling_num_layers)),
-                          branch_init=deepnorm_branch_init),
-    "layerscale": Placement(each_sublayer(layerscale_gate), exports_to_stock_llama=True),
-    "skipinit": Placement(each_sublayer(lambda layer: GatedPreNorm(1, 0.0)), exports_to_stock_llama=True),
-    "peri": Placement(each_sublayer(lambda layer: PeriNorm(rms_norm(layer.config)))),
-    "peri_lns": Placement(each_sublayer(lambda layer: PeriNorm(rms_norm(layer.config), 1.0 / math.sqrt(layer.depth)))),
-    "reordered": Placement(each_sublayer(lambda layer: OutputNorm())),
-    "dyt": Placement(each_sublayer(lambda layer: PreNorm()), block_norms=dyt_block_norms, final_norm="dyt"),
-    "completep": Placement(each_sublayer(lambda layer: DepthScaledBranch(layer.plan.depth_scaling_num_layers,
-                                                                         layer.plan.completep_alpha)),
-                           exports_to_stock_llama=True),
-    "gpas": Placement(gpas_around(lambda layer: PreNorm())),
-    "lns_gpas": Placement(gpas_around(lambda layer: ScaledPreNorm(layer.depth))),
-    "bhyt": Placement(each_sublayer(lambda layer: PreNorm()), block_norms=bhyt_block_norms),
-    "hybridnorm": Placement(lambda layer: (PreNorm(), NormedStreamResidual()), block_norms=hybridnorm_block_norms,
-                            qkv_norm=True),
+    "pre": Placement("Pre-LN", each_sublayer(lambda layer: PreNorm()), exports_to_stock_llama=True),
+    "post": Placement("Post-LN", each_sublayer(lambda layer: PostNorm())),
+    "post_pre": Placement("Mix-LN", None, mix=mix_ln_layers),
+    "lns": Placement("LNS", each_sublayer(lambda layer: ScaledPreNorm(layer.depth)), exports_to_stock_llama=True),
+    "deepnorm": Placement("DeepNorm", each_sublayer(lambda layer: DeepNormResidual(
+        layer.plan.depth_scaling_num_layers)), branch_init=deepnorm_branch_init, settings=(DEEPNORM_INIT,)),
+    "layerscale": Placement("LayerScale", each_sublayer(layerscale_gate), exports_to_stock_llama=True,
+                            settings=(LAYERSCALE_FORM, LAYERSCALE_INIT)),
+    "skipinit": Placement("SkipInit", each_sublayer(lambda layer: GatedPreNorm(1, 0.0)), exports_to_stock_llama=True),
+    "peri": Placement("Peri-LN", each_sublayer(lambda layer: PeriNorm(rms_norm(layer.config)))),
+    "peri_lns": Placement("Peri-LN + LNS", each_sublayer(lambda layer: PeriNorm(rms_norm(layer.config),
+                                                                                  1.0 / math.sqrt(layer.depth)))),
+    "reordered": Placement("Output norm (OLMo 2)", each_sublayer(lambda layer: OutputNorm())),
+    "dyt": Placement("DyT", each_sublayer(lambda layer: PreNorm()), block_norms=dyt_block_norms, final_norm="dyt",
+                     settings=(DYT_ALPHA_INIT,)),
+    "completep": Placement("CompleteP", each_sublayer(lambda layer: DepthScaledBranch(
+        layer.plan.depth_scaling_num_layers, layer.plan.settings["completep_alpha"])), exports_to_stock_llama=True,
+        settings=(COMPLETEP_ALPHA,)),
+    "gpas": Placement("GPAS", gpas_around(lambda layer: PreNorm())),
+    "lns_gpas": Placement("LNS + GPAS", gpas_around(lambda layer: ScaledPreNorm(layer.depth))),
+    "bhyt": Placement("BHyT", each_sublayer(lambda layer: PreNorm()), block_norms=bhyt_block_norms,
+                      settings=(BHYT_LAMBDA_INIT, BHYT_KAPPA)),
+    "hybridnorm": Placement("HybridNorm", lambda layer: (PreNorm(), NormedStreamResidual()),
+                            block_norms=hybridnorm_block_norms, qkv_norm=True),
 }
-LAYER_PLACEMENTS = tuple(PLACEMENTS)
-# post_pre (Mix-LN) is no row: it gives each layer post's or pre's (post_num). Listed after post, as it always was.
-NORM_TYPES = (*LAYER_PLACEMENTS[:2], "post_pre", *LAYER_PLACEMENTS[2:])
-NORM_TYPE_CHOICES = NORM_TYPES + tuple(NORM_TYPE_ALIASES)
+# The rows as they ship, for tests and tools that list them once; code that must see a row added later (a test's
+# toy row) calls norm_types(), norm_type_choices() and layer_placements().
+NORM_TYPES = norm_types()
+NORM_TYPE_CHOICES = norm_type_choices()
+LAYER_PLACEMENTS = layer_placements()
 
 
 class DecoderLayer(nn.Module):
@@ -824,7 +926,11 @@ class LlamaModel(LlamaPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, frozen_pad_id(config))
         self.layers = nn.ModuleList(DecoderLayer(config, i, plan) for i in range(config.num_hidden_layers))
         # Applied after every variant, Post-LN included (as in the reference): it keeps one parameter layout for all.
-        self.norm = DyT(config.hidden_size, plan.dyt_alpha_init[1]) if plan.final_norm == "dyt" else rms_norm(config)
+        self.norm = (DyT(config.hidden_size, plan.settings["dyt_alpha_init"][1]) if plan.final_norm == "dyt"
+                     else rms_norm(config))
+        stream = PLACEMENTS[canonical_norm_type(getattr(config, "norm_type", "pre"))].stream
+        # The running sum has no parameters, so a model of every other placement keeps stock Llama's state dict.
+        self.residual_stream = ResidualSum() if stream is None else stream(config, plan)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(head_dim, _rope_theta(config), config.max_position_embeddings)
         self.gradient_checkpointing = False
@@ -835,15 +941,16 @@ class LlamaModel(LlamaPreTrainedModel):
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb(input_ids.shape[1], x.dtype)
         mask = _attention_mask(attention_mask, input_ids.shape[1], x.device)
-        hidden_states = [x] if output_hidden_states else None
+        stream = self.residual_stream.begin(x)
+        hidden_states = [self.residual_stream.layer_output(stream)] if output_hidden_states else None
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:
-                x = torch.utils.checkpoint.checkpoint(layer, x, rope, mask, use_reentrant=False)
+                stream = torch.utils.checkpoint.checkpoint(layer, stream, rope, mask, use_reentrant=False)
             else:
-                x = layer(x, rope, mask)
+                stream = layer(stream, rope, mask)
             if output_hidden_states:
-                hidden_states.append(x)
-        x = self.norm(x)
+                hidden_states.append(self.residual_stream.layer_output(stream))
+        x = self.norm(self.residual_stream.end(stream))
         if output_hidden_states:
             hidden_states[-1] = x  # HF convention: the last entry is the final-normed output
         return x, (tuple(hidden_states) if output_hidden_states else None)

@@ -305,3 +305,87 @@ def test_hybridnorm_normalises_q_k_and_v(monkeypatch):
     pre_out, pre_qkv = captured_qkv(pre, x, rope, monkeypatch)
     assert not torch.allclose(pre_qkv["v"].pow(2).mean(-1).sqrt(), torch.ones(1), rtol=0.1)
     assert not torch.allclose(captured_qkv(pre, 100 * x, rope, monkeypatch)[0], pre_out, rtol=1e-2)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# A placement is one class and one row: a toy row reaches the trainer's flags, the model and a study arm
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class ToyScaledBranch(torch.nn.Module):
+    """x + s * F(N(x)), s the toy row's one setting."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x, sublayer, norm):
+        return x + self.scale * sublayer(norm(x))
+
+
+@pytest.fixture
+def toy_row(monkeypatch):
+    """The toy placement's row, in PLACEMENTS for one test (monkeypatch removes it after)."""
+    scale = modeling_llama.Setting("toy_scale", "toy: the branch multiplier", 0.5, positive=True)
+    row = modeling_llama.Placement("Toy branch", modeling_llama.each_sublayer(
+        lambda layer: ToyScaledBranch(layer.plan.settings["toy_scale"])), settings=(scale,))
+    monkeypatch.setitem(modeling_llama.PLACEMENTS, "toy", row)
+    return row
+
+
+def test_a_toy_row_reaches_the_trainer_the_model_and_a_study(toy_row):
+    from peft_pretraining import args_utils
+    from utils import compare_norms
+
+    parser = args_utils.build_parser()
+    choices = next(action.choices for action in parser._actions if action.dest == "norm_type")
+    assert "toy" in choices
+    args = args_utils.parse_args(["--model_config", "configs/llama_tiny.json", "--batch_size", "1",
+                                  "--norm_type", "Toy", "--toy_scale", "0.25"], world_size=1)
+    assert (args.norm_type, args.toy_scale) == ("toy", 0.25) and "toy_scale" in args_utils.model_options()
+    with pytest.raises(SystemExit):
+        args_utils.parse_args(["--model_config", "configs/llama_tiny.json", "--batch_size", "1",
+                               "--norm_type", "toy", "--toy_scale", "-1"], world_size=1)
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(build_config(TINY, norm_type="toy", toy_scale=0.25)).eval()
+    tokens = random_tokens()
+    with torch.no_grad():
+        x = model.model.embed_tokens(tokens)
+        rope = model.model.rotary_emb(tokens.shape[1], x.dtype)
+        eps = model.config.rms_norm_eps
+        for layer in model.model.layers:
+            x = x + 0.25 * layer.self_attn(rms(x, layer.input_layernorm.weight, eps), rope, None)
+            x = x + 0.25 * layer.mlp(rms(x, layer.post_attention_layernorm.weight, eps))
+        expected = model.lm_head(rms(x, model.model.norm.weight, eps))
+        torch.testing.assert_close(model(tokens).logits, expected, rtol=0, atol=2e-5)
+
+    arm = compare_norms.placement_arm("toy", "rivals", detail=" (s = 0.25)", flags=("--toy_scale", "0.25"))
+    assert arm.label == "Toy branch (s = 0.25)"
+    study = compare_norms.parse_args(["--budget", "quick"])
+    (spec,) = [s for s in compare_norms.run_specs(study, [arm]) if s.seed == study.settings["seeds"][0]]
+    trained = args_utils.build_parser().parse_args(list(spec.train_flags))
+    assert (trained.norm_type, trained.toy_scale) == ("toy", 0.25)
+
+
+def placement_table_rows(text: str) -> dict[str, list[str]]:
+    """{norm type: its lines} of the docs' placement table, found by the `--norm_type X` in the flag column."""
+    table = text.split("## Norm placements", 1)[1].split("\n\n| method |", 1)[1].split("\n\n", 1)[0]
+    found = {}
+    for line in table.splitlines()[2:]:
+        flag = line.split(" | ")[1]
+        name = flag.split("--norm_type ", 1)[1].split()[0].strip("`")
+        found.setdefault(name, []).append(line)
+    return found
+
+
+def test_the_docs_placement_table_has_every_row_and_its_settings():
+    """docs/training.md's table: one line (or more) per row of PLACEMENTS, no line for a name that is no row; each
+    row's first line names its label, and every setting of the row has its flag in the row's lines."""
+    text = (modeling_llama.__file__.rsplit("/peft_pretraining/", 1)[0] + "/docs/training.md")
+    documented = placement_table_rows(open(text).read())
+    assert sorted(documented) == sorted(modeling_llama.PLACEMENTS)
+    for name, row in modeling_llama.PLACEMENTS.items():
+        assert row.label in documented[name][0].split(" | ")[0], (name, row.label)
+        for setting in row.settings:
+            assert any(f"--{setting.key}" in line for line in documented[name]), (name, setting.key)

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from peft_pretraining.cli import OneLineErrorParser
+from peft_pretraining.modeling_llama import PLACEMENTS
 from utils.study import cli, measures, plots, report, runs, verdicts
 from utils.study.claims import CORE_CLAIMS, effect_text, loss_verdict, pair_verdicts, verdict_lines
 from utils.study.measures import by_seed
@@ -61,36 +62,43 @@ def study_dtype_reason(dtype: str) -> str:
             "warm-up). On a CPU with bf16 instructions --dtype mixed is faster (docs/study.md).")
 
 
+def placement_arm(name: str, group: str, norm_type: str | None = None, detail: str = "", flags: tuple[str, ...] = (),
+                  label: str | None = None, dtype: str = "float32") -> Arm:
+    """An arm training the row `norm_type` of PLACEMENTS (default: the arm's name), labelled as the row is, plus
+    `detail` (its settings), unless `label` names the arm otherwise."""
+    norm_type = norm_type or name
+    return Arm(name, label or PLACEMENTS[norm_type].label + detail, ("--norm_type", norm_type, *flags), group, dtype)
+
+
 REFERENCE_EMBED_STD = math.sqrt(2 / 5)  # the uploaded reference code's embedding init (5d4dd11)
+EMBED_REF = ("--embed_init_std", f"{REFERENCE_EMBED_STD:.6f}")
 ARMS = [
-    Arm("pre", "Pre-LN", ("--norm_type", "pre"), "core"),
-    Arm("lns", "LNS", ("--norm_type", "lns"), "core"),
-    Arm("pre_bf16", "Pre-LN, pure bf16", ("--norm_type", "pre"), "precision", dtype="bfloat16"),
-    Arm("lns_bf16", "LNS, pure bf16", ("--norm_type", "lns"), "precision", dtype="bfloat16"),
-    Arm("post", "Post-LN", ("--norm_type", "post"), "norms"),
-    Arm("post_pre", "Mix-LN", ("--norm_type", "post_pre"), "norms"),  # --post_num added from the depth
-    Arm("deepnorm", "DeepNorm", ("--norm_type", "deepnorm"), "norms"),
-    Arm("layerscale", "LayerScale (per channel, 0.1)", ("--norm_type", "layerscale"), "rivals"),
-    Arm("layerscale_scalar", "LayerScale (scalar, 1e-3)", ("--norm_type", "layerscale", "--layerscale_form", "scalar"),
-        "rivals"),
-    Arm("skipinit", "SkipInit", ("--norm_type", "skipinit"), "rivals"),
-    Arm("scaled_init", "Scaled init", ("--norm_type", "pre", "--init_method", "scaled"), "rivals"),
-    Arm("depth_scaled_init", "Depth-scaled init", ("--norm_type", "pre", "--init_method", "depth_scaled"), "rivals"),
-    Arm("lns_scaled_init", "LNS + scaled init", ("--norm_type", "lns", "--init_method", "scaled"), "rivals"),
-    Arm("peri", "Peri-LN", ("--norm_type", "peri"), "rivals"),
-    Arm("peri_lns", "Peri-LN + LNS", ("--norm_type", "peri_lns"), "rivals"),
-    Arm("reordered", "Output norm (OLMo 2)", ("--norm_type", "reordered"), "rivals"),
-    Arm("dyt", "DyT", ("--norm_type", "dyt"), "rivals"),
-    Arm("completep", "CompleteP (alpha = 1)", ("--norm_type", "completep"), "rivals"),
-    Arm("pre_embed_ref", "Pre-LN, embed std 0.632", ("--norm_type", "pre", "--embed_init_std",
-                                                     f"{REFERENCE_EMBED_STD:.6f}"), "rivals"),
-    Arm("lns_embed_ref", "LNS, embed std 0.632", ("--norm_type", "lns", "--embed_init_std",
-                                                  f"{REFERENCE_EMBED_STD:.6f}"), "rivals"),
+    placement_arm("pre", "core"),
+    placement_arm("lns", "core"),
+    placement_arm("pre_bf16", "precision", "pre", ", pure bf16", dtype="bfloat16"),
+    placement_arm("lns_bf16", "precision", "lns", ", pure bf16", dtype="bfloat16"),
+    placement_arm("post", "norms"),
+    placement_arm("post_pre", "norms"),  # --post_num added from the depth
+    placement_arm("deepnorm", "norms"),
+    placement_arm("layerscale", "rivals", detail=" (per channel, 0.1)"),
+    placement_arm("layerscale_scalar", "rivals", "layerscale", " (scalar, 1e-3)", ("--layerscale_form", "scalar")),
+    placement_arm("skipinit", "rivals"),
+    placement_arm("scaled_init", "rivals", "pre", flags=("--init_method", "scaled"), label="Scaled init"),
+    placement_arm("depth_scaled_init", "rivals", "pre", flags=("--init_method", "depth_scaled"),
+                  label="Depth-scaled init"),
+    placement_arm("lns_scaled_init", "rivals", "lns", " + scaled init", ("--init_method", "scaled")),
+    placement_arm("peri", "rivals"),
+    placement_arm("peri_lns", "rivals"),
+    placement_arm("reordered", "rivals"),
+    placement_arm("dyt", "rivals"),
+    placement_arm("completep", "rivals", detail=" (alpha = 1)"),
+    placement_arm("pre_embed_ref", "rivals", "pre", ", embed std 0.632", EMBED_REF),
+    placement_arm("lns_embed_ref", "rivals", "lns", ", embed std 0.632", EMBED_REF),
     # the fixes published since the paper (issue 39): the long rivals budget and the quick smoke test train them
-    Arm("gpas", "GPAS", ("--norm_type", "gpas"), "recent"),
-    Arm("lns_gpas", "LNS + GPAS", ("--norm_type", "lns_gpas"), "recent"),
-    Arm("bhyt", "BHyT", ("--norm_type", "bhyt"), "recent"),
-    Arm("hybridnorm", "HybridNorm", ("--norm_type", "hybridnorm"), "recent"),
+    placement_arm("gpas", "recent"),
+    placement_arm("lns_gpas", "recent"),
+    placement_arm("bhyt", "recent"),
+    placement_arm("hybridnorm", "recent"),
 ]
 ARM_BY_NAME = {arm.name: arm for arm in ARMS}
 SEED_KEYS = {"core": "seeds", "precision": "precision_seeds", "norms": "norms_seeds", "rivals": "seeds",
