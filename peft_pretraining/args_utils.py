@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--init_method", type=str.lower, default=None, choices=INIT_METHODS,
                        help="default normal; scaled: o_proj/down_proj std / sqrt(2L); depth_scaled: std / sqrt(2l)")
     for setting in placement_settings().values():  # each placement's own settings, from its row
-        kind = dict(type=str.lower, choices=setting.choices) if setting.choices else dict(type=float)
+        kind = dict(type=str.lower, choices=setting.choices) if setting.choices else dict(
+            type=int if setting.integer else float)
         model.add_argument(f"--{setting.key}", default=None, nargs=setting.count if setting.count > 1 else None,
                            help=setting.help_text(), **kind)
     model.add_argument("--embed_init_std", type=float, default=None,

@@ -12,7 +12,7 @@ placement module, the norm or the attention, so weights move freely.
 The model is built from a `NormPlacementConfig` (a `transformers.LlamaConfig` under its own model_type, below) with
 extra attributes (all optional, defaults in brackets). A placement's own settings are `Setting`s in its row (the
 trainer's flags of the same names are built from them); they are listed here too:
-    norm_type         a row of PLACEMENTS, case-insensitive; "cod" (the paper's uploaded code) is an alias of "lns" [pre]
+    norm_type         a row of PLACEMENTS, case-insensitive; "cod" (the uploaded code's name) is an alias of "lns" [pre]
     post_num          Mix-LN: layers with 0-based index < post_num are Post-LN, the rest Pre-LN [0]
     init_method       normal | scaled | depth_scaled [normal]
     layerscale_form   channel (one gain per channel) | scalar (one gain per sublayer) [channel]
@@ -127,6 +127,7 @@ class Setting:
     minimum: float | None = None  # a number at least this
     positive: bool = False  # a number above 0
     count: int = 1  # numbers per value: 2 for a pair, written as a list
+    integer: bool = False  # a whole number (kept as an int)
     depends_on: str | None = None  # the setting whose value decides this one's default: a saved value is kept
     #                                only under the same value of that one
 
@@ -142,10 +143,14 @@ class Setting:
             bound = " > 0" if self.positive else f" >= {self.minimum}" if self.minimum is not None else ""
             what = f"{self.count} finite numbers{bound}" if self.count > 1 else f"a finite number{bound}"
             raise ValueError(f"{self.key}={value!r} is not {what}")
+        if self.integer:
+            return int(values[0])
         return [float(v) for v in values] if self.count > 1 else float(values[0])
 
     def _valid_number(self, v) -> bool:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return False
+        if self.integer and float(v) != int(v):
             return False
         return not ((self.minimum is not None and v < self.minimum) or (self.positive and v <= 0))
 
@@ -691,6 +696,173 @@ class ResidualSum(nn.Module):
         return stream
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# Residual streams that are not a running sum: Attention Residuals and mHC
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def depth_attention(query: torch.Tensor, sources, eps: float) -> torch.Tensor:
+    """AttnRes's aggregation: sum_j softmax_j(q . rms(v_j)) v_j over the sources v_j (each batch x tokens x d).
+    The keys are RMS-normalised without a gain: a gain g would only reparametrise q (q . (g * k) = (q * g) . k)."""
+    values = torch.stack(tuple(sources), dim=-2)
+    keys = F.rms_norm(values.float(), (values.shape[-1],), eps=eps)
+    weights = torch.softmax(keys @ query.float(), dim=-1)  # over the sources, in fp32
+    return (weights.to(values.dtype).unsqueeze(-1) * values).sum(-2)
+
+
+class DepthAttentionResidual(nn.Module):
+    """Block Attention Residuals (Moonshot AI 2026), one sublayer: its input is depth_attention over the embedding,
+    the completed blocks' sums and the current block's partial sum, with this sublayer's pseudo-query; its output
+    F(N(input)) is added to the partial sum of its block. The stream is (completed sources, partial sum, the partial
+    sum's block): a block closes when a sublayer of the next block arrives, so a removed layer only takes its own
+    outputs out of its block's sum."""
+
+    def __init__(self, hidden_size: int, block: int, eps: float):
+        super().__init__()
+        self.block, self.eps = block, eps
+        self.query = nn.Parameter(torch.zeros(hidden_size))  # zero: uniform weights over the sources at the start
+
+    def reset_parameters(self):
+        init.zeros_(self.query)
+
+    def forward(self, stream, sublayer, norm):
+        sources, partial, partial_block = stream
+        if partial is not None and partial_block != self.block:
+            sources, partial = (*sources, partial), None
+        inputs = sources if partial is None else (*sources, partial)
+        output = sublayer(norm(depth_attention(self.query, inputs, self.eps)))
+        return sources, output if partial is None else partial + output, self.block
+
+
+class AttentionResidualStream(nn.Module):
+    """AttnRes's stream: starts as the embedding alone; what the final norm gets, and what a layer's output is for
+    output_hidden_states, is depth_attention over every source with the model's own output pseudo-query (the stream
+    the final norm would read if the model stopped after that layer)."""
+
+    def __init__(self, config, plan: LayerPlan):
+        super().__init__()
+        self.eps = config.rms_norm_eps
+        self.query = nn.Parameter(torch.zeros(config.hidden_size))
+
+    def reset_parameters(self):
+        init.zeros_(self.query)
+
+    def begin(self, x):
+        return (x,), None, None
+
+    def end(self, stream):
+        sources, partial, _ = stream
+        return depth_attention(self.query, sources if partial is None else (*sources, partial), self.eps)
+
+    def layer_output(self, stream):
+        return self.end(stream)
+
+
+def attnres_block(layer: LayerContext, side: int) -> int:
+    """The block of a sublayer (side 0 attention, 1 MLP) from its trained depth and the trained L: 2L sublayers in
+    `attnres_blocks` blocks of ceil(2L / blocks) consecutive sublayers (kept after a layer is removed)."""
+    sublayers = 2 * layer.plan.depth_scaling_num_layers
+    size = math.ceil(sublayers / int(layer.plan.settings["attnres_blocks"]))
+    return (2 * (layer.depth - 1) + side) // size
+
+
+def attnres_residuals(layer: LayerContext):
+    return tuple(DepthAttentionResidual(layer.config.hidden_size, attnres_block(layer, side), layer.config.rms_norm_eps)
+                 for side in (0, 1))
+
+
+def sinkhorn(logits: torch.Tensor, iterations: int) -> torch.Tensor:
+    """exp(logits) scaled towards a doubly stochastic matrix (last two dims) by Sinkhorn-Knopp in the log domain, in
+    fp32: each iteration normalises the columns, then the rows. Ending on the rows makes every row sum to 1 to
+    rounding (so n equal copies stay equal: a mix of them is the same vector); the columns sum to 1 within what the
+    iterations have converged to."""
+    log_p = logits.float()
+    for _ in range(iterations):
+        log_p = log_p - log_p.logsumexp(-2, keepdim=True)
+        log_p = log_p - log_p.logsumexp(-1, keepdim=True)
+    return log_p.exp()
+
+
+MHC_ALPHA_INIT = 0.01  # the dynamic maps' gating factors start small: the maps start as their static parts
+MHC_PRE_OWN, MHC_PRE_OTHER = 1.0, -1.0  # pre's static logits: each sublayer leans on one copy, so the copies differ
+MHC_RES_OFF_DIAGONAL = -4.0  # res's static logits: near the identity (0.95 on the diagonal at n = 4)
+
+
+class ManifoldHyperConnection(nn.Module):
+    """mHC (DeepSeek 2026), one sublayer on the n copies X (batch x tokens x n x d):
+    X' = H_res X + H_post^T F(N(H_pre X)). From x = rms(vec(X)) (no gain: phi would absorb it),
+    H_pre = sigmoid(a_pre * x phi_pre + b_pre), H_post = 2 sigmoid(a_post * x phi_post + b_post) and
+    H_res = Sinkhorn(a_res * mat(x phi_res) + b_res): dynamic parts (phi, zero at the start, and the scalars a)
+    plus static biases b. With phi = 0 and equal copies the layer is Pre-LN's x + F(N(x)) on each copy (N absorbs
+    the scale of H_pre X; H_res's rows sum to 1; H_post = 1)."""
+
+    def __init__(self, hidden_size: int, streams: int, iterations: int, own_stream: int, eps: float):
+        super().__init__()
+        self.streams, self.iterations, self.own_stream, self.eps = streams, iterations, own_stream, eps
+        n = streams
+        self.phi = nn.Parameter(torch.zeros(2 * n + n * n, n * hidden_size))  # rows: pre, post, res
+        self.alpha = nn.Parameter(torch.full((3,), MHC_ALPHA_INIT))  # pre, post, res
+        self.pre_bias = nn.Parameter(self.pre_bias_init())
+        self.post_bias = nn.Parameter(torch.zeros(n))
+        self.res_bias = nn.Parameter(self.res_bias_init())
+
+    def pre_bias_init(self) -> torch.Tensor:
+        bias = torch.full((self.streams,), MHC_PRE_OTHER)
+        bias[self.own_stream] = MHC_PRE_OWN
+        return bias
+
+    def res_bias_init(self) -> torch.Tensor:
+        return torch.full((self.streams, self.streams), MHC_RES_OFF_DIAGONAL).fill_diagonal_(0.0)
+
+    def reset_parameters(self):
+        init.zeros_(self.phi)
+        init.constant_(self.alpha, MHC_ALPHA_INIT)
+        init.copy_(self.pre_bias, self.pre_bias_init())
+        init.zeros_(self.post_bias)
+        init.copy_(self.res_bias, self.res_bias_init())
+
+    def maps(self, stream: torch.Tensor):
+        """(H_pre, H_post, H_res) per token: (..., n), (..., n), (..., n, n), in fp32."""
+        n = self.streams
+        flat = stream.flatten(-2).float()
+        dynamic = F.rms_norm(flat, (flat.shape[-1],), eps=self.eps) @ self.phi.float().T
+        pre, post, res = dynamic.split([n, n, n * n], dim=-1)
+        h_pre = torch.sigmoid(self.alpha[0] * pre + self.pre_bias)
+        h_post = 2 * torch.sigmoid(self.alpha[1] * post + self.post_bias)
+        h_res = sinkhorn(self.alpha[2] * res.unflatten(-1, (n, n)) + self.res_bias, self.iterations)
+        return h_pre, h_post, h_res
+
+    def forward(self, stream, sublayer, norm):
+        h_pre, h_post, h_res = (h.to(stream.dtype) for h in self.maps(stream))
+        output = sublayer(norm((h_pre.unsqueeze(-1) * stream).sum(-2)))
+        return h_res @ stream + h_post.unsqueeze(-1) * output.unsqueeze(-2)
+
+
+class HyperConnectionStream(nn.Module):
+    """mHC's stream: n copies of the embedding; a layer's output (output_hidden_states) and the final norm's input
+    are the mean of the copies."""
+
+    def __init__(self, config, plan: LayerPlan):
+        super().__init__()
+        self.streams = int(plan.settings["mhc_streams"])
+
+    def begin(self, x):
+        return x.unsqueeze(-2).expand(*x.shape[:-1], self.streams, x.shape[-1])
+
+    def end(self, stream):
+        return stream.mean(-2)
+
+    def layer_output(self, stream):
+        return self.end(stream)
+
+
+def mhc_residuals(layer: LayerContext):
+    streams, iterations = int(layer.plan.settings["mhc_streams"]), int(layer.plan.settings["mhc_sinkhorn_iterations"])
+    return tuple(ManifoldHyperConnection(layer.config.hidden_size, streams, iterations,
+                                         (2 * (layer.depth - 1) + side) % streams, layer.config.rms_norm_eps)
+                 for side in (0, 1))
+
+
 def rms_norm(config) -> RMSNorm:
     return RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -815,6 +987,13 @@ BHYT_KAPPA = Setting("bhyt_kappa", "bhyt: kappa, the tanh input has RMS lambda/k
 #   lns_gpas    h = G(x + Attn(N1(x) / sqrt(l)))        out = G(h + MLP(N2(h) / sqrt(l)))
 #   bhyt        as pre, N(y) = w * tanh(lam * y / (kappa * s)); s = rms(x) in N1, in N2 rms(x) with Attn's share
 #   hybridnorm  h = x + Attn_qkvnorm(x)                 out = N2(h) + MLP(N2(h))
+#   attnres     each sublayer: y = F(N(sum_j softmax_j(q . rms(b_j)) b_j)) over the embedding and the block sums b_j
+#   mhc         X (n copies): X' = H_res X + H_post^T F(N(H_pre X)), H_res doubly stochastic (Sinkhorn)
+ATTNRES_BLOCKS = Setting("attnres_blocks", "attnres: the 2L sublayers are cut into this many blocks of consecutive "
+                         "sublayers (Block AttnRes); 2L or more is Full AttnRes", 8, minimum=1, integer=True)
+MHC_STREAMS = Setting("mhc_streams", "mhc: copies n of the residual stream", 4, minimum=1, integer=True)
+MHC_SINKHORN_ITERATIONS = Setting("mhc_sinkhorn_iterations", "mhc: Sinkhorn-Knopp iterations (columns then rows)",
+                                  20, minimum=1, integer=True)
 PLACEMENTS = {
     "pre": Placement("Pre-LN", each_sublayer(lambda layer: PreNorm()), exports_to_stock_llama=True),
     "post": Placement("Post-LN", each_sublayer(lambda layer: PostNorm())),
@@ -840,6 +1019,15 @@ PLACEMENTS = {
                       settings=(BHYT_LAMBDA_INIT, BHYT_KAPPA)),
     "hybridnorm": Placement("HybridNorm", lambda layer: (PreNorm(), NormedStreamResidual()),
                             block_norms=hybridnorm_block_norms, qkv_norm=True),
+    # Attention Residuals, Block AttnRes (Moonshot AI, arXiv 2603.15031): each sublayer (attention and MLP are
+    # separate sources) reads a softmax over depth of the embedding and the blocks' sums, with a pseudo-query of its
+    # own (zero: uniform weights at the start) on RMS-normalised keys; the block norm N stays before the sublayer
+    # (x_in = N(AttnRes(...))); the final norm reads the same aggregation with the model's output query.
+    "attnres": Placement("AttnRes", attnres_residuals, stream=AttentionResidualStream, settings=(ATTNRES_BLOCKS,)),
+    # mHC (DeepSeek, arXiv 2512.24880): n copies of the stream, mixed by a Sinkhorn-projected H_res, with pre and
+    # post maps around each sublayer, dynamic plus static (ManifoldHyperConnection); the copies' mean is the output.
+    "mhc": Placement("mHC", mhc_residuals, stream=HyperConnectionStream,
+                     settings=(MHC_STREAMS, MHC_SINKHORN_ITERATIONS)),
 }
 # The rows as they ship, for tests and tools that list them once; code that must see a row added later (a test's
 # toy row) calls norm_types(), norm_type_choices() and layer_placements().

@@ -281,11 +281,19 @@ class ResidualStream:
         def record(hidden: torch.Tensor) -> None:
             states.append(hidden[keep].float())
 
+        # Ours whose stream is not one tensor (AttnRes, mHC) say what a layer's output is: the same view that their
+        # output_hidden_states returns (docs/analyses.md).
+        stream_view = getattr(self.backbone, "residual_stream", None)
+
         def before_first_layer(_module, args, kwargs):
-            record(args[0] if args else kwargs["hidden_states"])
+            hidden = args[0] if args else kwargs["hidden_states"]
+            record(stream_view.layer_output(hidden) if stream_view is not None else hidden)
 
         def after_layer(_module, _args, output):
-            record(output[0] if isinstance(output, (tuple, list)) else output)
+            if stream_view is not None:
+                record(stream_view.layer_output(output))
+            else:
+                record(output[0] if isinstance(output, (tuple, list)) else output)
 
         handles = [self.layers[0].register_forward_pre_hook(before_first_layer, with_kwargs=True)]
         handles += [layer.register_forward_hook(after_layer) for layer in self.layers]
