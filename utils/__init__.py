@@ -25,6 +25,7 @@ Benchmarks and estimates (docs/benchmarks.md):
     benchmark_gpu       the update step on one CUDA GPU: tokens/s, MFU, peak memory
     benchmark_dataloader  loader tokens/s against training tokens/s
     benchmark_angular   the angular analysis's speed on a 135M-shaped model
+    benchmark_placements  each placement's cost against Pre-LN: parameters, activation memory, step time (CPU)
     memory_estimate     GPU memory of one training process, by formula
     model_arithmetic    parameters, model FLOPs per token, GPU peaks: the formulas the tools above share
 

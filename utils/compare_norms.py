@@ -10,6 +10,7 @@
     python utils/compare_norms.py --budget long_rivals --arms pre lns skipinit layerscale
                                                        # chosen rivals at 5x the steps, beside the long Pre-LN and
                                                        #   LNS records (all 48 new runs: about 9 hours on 2 cores)
+    python utils/compare_norms.py --budget rivals_2026 # + AttnRes and mHC (issue 67), beside the rivals' records
     python utils/compare_norms.py --quick              # smoke test (CI), a few minutes
     python utils/compare_norms.py --report_only        # rewrite the report from the saved records
     python utils/compare_norms.py --plan               # the runs left and their disk, as JSON; trains nothing
@@ -99,10 +100,14 @@ ARMS = [
     placement_arm("lns_gpas", "recent"),
     placement_arm("bhyt", "recent"),
     placement_arm("hybridnorm", "recent"),
+    # residual streams that are not a running sum (issue 67): only the *_2026 budgets train them, so that the
+    # committed reports of the other budgets keep their arms
+    placement_arm("attnres", "streams", detail=" (Block, 8 blocks)"),
+    placement_arm("mhc", "streams", detail=" (n = 4)"),
 ]
 ARM_BY_NAME = {arm.name: arm for arm in ARMS}
 SEED_KEYS = {"core": "seeds", "precision": "precision_seeds", "norms": "norms_seeds", "rivals": "seeds",
-             "recent": "recent_seeds"}
+             "recent": "recent_seeds", "streams": "stream_seeds"}
 
 # The budgets. Chosen for statistical power within the time limit, not tuned to the paper (see the report).
 LONG_BUDGET = dict(steps=1500, warmup=75, groups=("core",), out="docs/study_long", runs_dir="runs/study_long")
@@ -122,6 +127,12 @@ BUDGETS = {
     "long_rivals": {**LONG_BUDGET, "groups": ("core", "norms", "rivals", "recent"), "norms_seeds": (1, 2, 3),
                     "recent_seeds": (1, 2, 3),
                     "report_suffix": "_rivals"},
+    # the rivals budgets plus AttnRes and mHC, in their own report (report_rivals_2026.md) beside the same records
+    "rivals_2026": dict(groups=("core", "precision", "norms", "rivals", "streams"), precision_seeds=(1, 2),
+                        norms_seeds=(1, 2, 3), stream_seeds=(1, 2, 3), report_suffix="_rivals_2026"),
+    "long_rivals_2026": {**LONG_BUDGET, "groups": ("core", "norms", "rivals", "recent", "streams"),
+                         "norms_seeds": (1, 2, 3), "recent_seeds": (1, 2, 3), "stream_seeds": (1, 2, 3),
+                         "report_suffix": "_rivals_2026"},
     "quick": dict(model_config="configs/llama_tiny.json", steps=6, warmup=1, batch_size=4, max_length=64,
                   eval_tokens=1_024, seeds=(1, 2), precision_seeds=(1, 2), norms_seeds=(1, 2), dynamics_points=2,
                   groups=("core", "precision", "norms", "recent"), recent_seeds=(1,),
@@ -187,7 +198,8 @@ def run_specs(args, arms: list[Arm]) -> list[RunSpec]:
             str(s["eval_tokens"]), "--grad_clipping", "1.0", "--weight_decay", "0", "--optimizer", "adam", "--workers",
             "0", "--device", args.device)
     specs = []
-    for group in ("core", "precision", "norms", "rivals", "recent"):  # the core first: a partial study answers it first
+    # the core first: a partial study answers it first
+    for group in ("core", "precision", "norms", "rivals", "recent", "streams"):
         group_arms = [a for a in arms if a.group == group]
         for seed in s[SEED_KEYS[group]] if group_arms else ():  # seed-major: the pairs of a seed finish together
             for arm in group_arms:
@@ -202,7 +214,7 @@ def run_specs(args, arms: list[Arm]) -> list[RunSpec]:
 
 GROUP_NAMES = {"core": "the {fp32} Pre-LN and LNS arms", "precision": "the pure-bf16 arms",
                "norms": "Post-LN, Mix-LN and DeepNorm", "rivals": "the rivals",
-               "recent": "GPAS, LNS + GPAS, BHyT and HybridNorm"}
+               "recent": "GPAS, LNS + GPAS, BHyT and HybridNorm", "streams": "AttnRes and mHC"}
 
 
 def seeds_sentence(settings: dict, fp32_label: str) -> str:
@@ -439,7 +451,7 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
         figures["profiles"] = plots.plot_layer_profiles(records, core, out / f"layer_profiles{suffix}.png")
     fp32_label = cli.DTYPE_LABELS[args.dtype]
     sections, all_verdicts = pair_sections(records, present, fp32_label)
-    table_arms = [a for a in arms if a.name in present and a.group in ("core", "norms", "rivals", "recent")]
+    table_arms = [a for a in arms if a.name in present and a.group != "precision"]
     table, per_arm, embedding_init = "", {}, {}
     if "pre" in present:
         png = plot_per_arm(records, table_arms, out / f"per_arm{suffix}.png")
