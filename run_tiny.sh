@@ -6,11 +6,11 @@
 # PYTHON picks the interpreter (default: python); NPROC=2 runs two CPU processes through torchrun (gloo).
 # One thread per process unless OMP_NUM_THREADS says otherwise: at this size a second thread buys nothing on an
 # idle machine, and beside other work it is much slower (threads of one process wait on each other).
-# Exit code: docs/training.md#exit-codes (read back from the ranks by utils/launch_trainer.sh).
+# Exit code: docs/training.md#exit-codes (read back from the ranks by utils/launch/launch_trainer.sh).
 set -euo pipefail
 cd "$(dirname "$0")"
 script=run_tiny.sh
-source utils/run_arguments.sh
+source utils/launch/run_arguments.sh
 if [[ ${norm_type,,} == post_pre && -z $post_num ]]; then post_num=6; fi  # Mix-LN: a quarter of the 24 layers
 run_name="tiny_${norm_type,,}"
 if [[ ${norm_type,,} == post_pre ]]; then run_name+="_post$post_num"; fi
@@ -22,7 +22,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread unless told otherwise
 if [[ $nproc -gt 1 ]]; then launcher=("$python" -m torch.distributed.run --standalone --nproc_per_node "$nproc")
 else launcher=("$python"); fi
 echo "run_tiny.sh: norm_type=$norm_type post_num=${post_num:-none} processes=$nproc threads=$OMP_NUM_THREADS (CPU)"
-exec bash utils/launch_trainer.sh "${launcher[@]}" torchrun_main.py \
+exec bash utils/launch/launch_trainer.sh "${launcher[@]}" torchrun_main.py \
     --model_config configs/llama_tiny_deep.json \
     --norm_type "$norm_type" ${post_num:+--post_num "$post_num"} \
     --dataset embedded \

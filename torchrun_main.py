@@ -9,7 +9,7 @@ Exit codes: peft_pretraining/exit_codes.ExitCode (docs/training.md#exit-codes).
 
 The run folder (peft_pretraining/run_folder.py) is locked by rank 0 for the whole run, recovered at start-up after a
 crash, and holds one history: resuming from step k moves the folder's later checkpoints into superseded/.
-torchrun reports any failed rank as 1; run_*.sh read each rank's own code back (utils/launch_trainer.sh).
+torchrun reports any failed rank as 1; run_*.sh read each rank's own code back (utils/launch/launch_trainer.sh).
 """
 import contextlib
 import dataclasses

@@ -165,12 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     system.add_argument("--fsdp", action="store_true", help="shard with FSDP2 fully_shard instead of DDP")
     system.add_argument("--compile", action="store_true",
                         help="run the wrapped model through torch.compile (the paper's GPU recipes pass it; see "
-                             "utils/benchmark_model.py)")
+                             "utils/bench/benchmark_model.py)")
     system.add_argument("--loss", type=str.lower, default="standard", choices=HEAD_LOSSES,
                         help="how the lm_head's loss is computed, the same function each way "
                              "(peft_pretraining/head_losses.py): standard (full logits), chunked (a chunk of logits "
                              "at a time, recomputed in backward) or liger (liger-kernel, CUDA only). Standard until "
-                             "utils/gpu_check.sh's losses stage has measured them on a GPU")
+                             "utils/gpu/gpu_check.sh's losses stage has measured them on a GPU")
     system.add_argument("--no_compile", dest="compile", action="store_false",
                         help="eager, overriding an earlier --compile (run_*.sh compile by default on CUDA)")
     system.add_argument("--dist_timeout_minutes", type=float, default=DEFAULT_TIMEOUT_MINUTES,

@@ -1,6 +1,6 @@
 """The trainer's exit codes: the one list that torchrun_main.py, the run scripts' read-back
-(utils/launch_trainer.sh) and the table in docs/training.md#exit-codes follow (tests/test_exit_codes.py checks the
-table against it)."""
+(utils/launch/launch_trainer.sh) and the table in docs/training.md#exit-codes follow (tests/test_exit_codes.py checks
+the table against it)."""
 import enum
 
 

@@ -5,7 +5,7 @@
               micro-batch never exist at once
     liger     liger-kernel's fused linear + cross-entropy (Triton, CUDA only; `pip install liger-kernel`)
 
-The trainer takes `--loss` (default standard); utils/gpu_check.py's `losses` stage measures the three on a GPU and
+The trainer takes `--loss` (default standard); utils/gpu/gpu_check.py's `losses` stage measures the three on a GPU and
 names the fastest whose loss is within LOSS_TOLERANCE of the fp32 loss. tests/test_run_scripts.py checks chunked
 against standard on the CPU.
 """

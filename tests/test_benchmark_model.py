@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from utils import benchmark_model
+from utils.bench import benchmark_model
 
 
 @pytest.mark.e2e

@@ -9,9 +9,17 @@ import pytest
 from peft_pretraining.cli import OneLineErrorParser
 
 REPO = Path(__file__).resolve().parent.parent
+# utils/'s scripts: its top level and the rooms of scripts (the library rooms, instruments/ and study/, hold modules)
+SCRIPT_FILES = [path for folder in ("", "bench", "gpu") for path in (REPO / "utils" / folder).glob("*.py")
+                if path.name != "__init__.py"]
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(REPO).with_suffix("").parts)
+
+
 ENTRY_POINTS = sorted(["peft_pretraining.args_utils", "layer_remove",
-                       *(f"utils.{path.stem}" for path in (REPO / "utils").glob("*.py")
-                         if "def build_parser" in path.read_text())])
+                       *(module_name(path) for path in SCRIPT_FILES if "def build_parser" in path.read_text())])
 
 
 def test_the_entry_points_are_found():
@@ -45,9 +53,9 @@ RUNS_TOOL_COMMAND_LINES = {"utils.study.analyse": {"layer_remove", "utils.angula
 
 
 def tools() -> set[str]:
-    """The command-line scripts: torchrun_main.py, layer_remove.py and utils/*.py that run as __main__."""
+    """The command-line scripts: torchrun_main.py, layer_remove.py and utils/'s scripts that run as __main__."""
     return {"torchrun_main", "layer_remove",
-            *(f"utils.{path.stem}" for path in (REPO / "utils").glob("*.py") if "__main__" in path.read_text())}
+            *(module_name(path) for path in SCRIPT_FILES if "__main__" in path.read_text())}
 
 
 def imported_tools(source: str, tool_names: set[str]) -> set[str]:
@@ -65,7 +73,7 @@ def imported_tools(source: str, tool_names: set[str]) -> set[str]:
 def test_no_module_imports_a_tool():
     """Scripts import library code (utils/instruments, utils/study, model_io, peft_pretraining), never each other."""
     names = tools()
-    assert {"utils.angular_analysis", "utils.width_sweep", "utils.gpu_check"} <= names
+    assert {"utils.angular_analysis", "utils.width_sweep", "utils.gpu.gpu_check"} <= names
     offenders = {}
     for path in [REPO / "torchrun_main.py", REPO / "layer_remove.py", *(REPO / "utils").rglob("*.py"),
                  *(REPO / "peft_pretraining").rglob("*.py")]:

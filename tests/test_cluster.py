@@ -17,7 +17,7 @@ import torchrun_main
 from peft_pretraining.exit_codes import ExitCode
 from peft_pretraining.modeling_llama import LlamaForCausalLM
 from tests.conftest import ONE_THREAD, TINY_RUN
-from utils import gpu_processes
+from utils.gpu import gpu_processes
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 60

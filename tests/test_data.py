@@ -568,7 +568,7 @@ def test_build_command_rejects_a_bad_source(tmp_path, capsys):
                                         (["--streaming", "--workers", "2", "-1"], "--workers"),
                                         (["--streaming", "--documents_per_shard", "3"], "--documents_per_shard")])
 def test_benchmark_dataloader_rejects_bad_numbers_in_one_line(argv, flag, capsys):
-    from utils.benchmark_dataloader import main
+    from utils.bench.benchmark_dataloader import main
 
     with pytest.raises(SystemExit) as exit:
         main(argv)

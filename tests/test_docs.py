@@ -219,10 +219,10 @@ def script_invocation(tokens: list[str]) -> tuple[str, list[str]] | None:
         return _script(tokens[1], tokens[2:])
     if program == "torchrun":
         return _torchrun(tokens[1:])
-    if program in ("bash", "sh") and tokens[1:2] == ["utils/gpu_check.sh"]:  # a wrapper of utils/gpu_check.py
-        return "utils.gpu_check", tokens[2:]
-    if program in ("bash", "sh") and tokens[1:3] == ["utils/gpu_lease.sh", "check"]:  # OUT, then gpu_check's flags
-        return "utils.gpu_check", tokens[3:]
+    if program in ("bash", "sh") and tokens[1:2] == ["utils/gpu/gpu_check.sh"]:  # a wrapper of utils/gpu/gpu_check.py
+        return "utils.gpu.gpu_check", tokens[2:]
+    if program in ("bash", "sh") and tokens[1:3] == ["utils/gpu/gpu_lease.sh", "check"]:  # OUT, then gpu_check's flags
+        return "utils.gpu.gpu_check", tokens[3:]
     if program in ("bash", "sh") and len(tokens) > 1 and re.fullmatch(r"(\./)?run_\w+\.sh", tokens[1]):
         return _run_script(tokens[1], tokens[2:])
     if re.fullmatch(r"\./run_\w+\.sh", program):

@@ -1,5 +1,5 @@
 """Issue 68's lease call: the wikipedia_gpu budget's arithmetic, the travel check, the corpus as it travels, and
-`bash utils/gpu_lease.sh rehearse_wikipedia OUT` end to end (the GPU call's lines at tiny sizes on the CPU)."""
+`bash utils/gpu/gpu_lease.sh rehearse_wikipedia OUT` end to end (the GPU call's lines at tiny sizes on the CPU)."""
 import gzip
 import json
 import os
@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from peft_pretraining import wikipedia_corpus
-from utils import depth_sweep, gpu_carry
+from utils import depth_sweep
+from utils.gpu import gpu_carry
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -70,7 +71,7 @@ def test_the_other_budgets_keep_their_configs(tmp_path):
 
 
 def test_the_lease_line_is_a_valid_sweep_of_the_gpu_budget(tmp_path):
-    script = (REPO / "utils/gpu_lease.sh").read_text()
+    script = (REPO / "utils/gpu/gpu_lease.sh").read_text()
     start = script.index("sweep=(--budget wikipedia_gpu ")
     line = script[start:script.index(")", start)].removeprefix("sweep=(")
     flags = shlex.split(line.replace("\\\n", " "))
@@ -144,7 +145,7 @@ def test_the_estimate_counts_the_runs_tokens_and_time(tmp_path, capsys):
 def test_the_wikipedia_lease_call_rehearses_on_the_cpu(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(["bash", "utils/gpu_lease.sh", "rehearse_wikipedia", str(out)], cwd=REPO,
+    proc = subprocess.run(["bash", "utils/gpu/gpu_lease.sh", "rehearse_wikipedia", str(out)], cwd=REPO,
                           capture_output=True, text=True, env=env, timeout=1200, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "gpu_carry travel:" in proc.stdout and "plan: about" in proc.stdout

@@ -1,6 +1,6 @@
-"""The GPU lease rehearsed on the CPU: `bash utils/gpu_lease.sh rehearse OUT` runs both prepared device calls
-through the same script lines (utils/gpu_check.py --rehearse: every stage's commands at tiny sizes; the width sweep's
-call at the quick budget's tiny widths), so that a lease never fails for a reason the CPU could have caught."""
+"""The GPU lease rehearsed on the CPU: `bash utils/gpu/gpu_lease.sh rehearse OUT` runs both prepared device calls
+through the same script lines (utils/gpu/gpu_check.py --rehearse: every stage's commands at tiny sizes; the width
+sweep's call at the quick budget's tiny widths), so that a lease never fails for a reason the CPU could have caught."""
 import json
 import os
 import subprocess
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from utils import gpu_check
+from utils.gpu import gpu_check
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_the_gpu_lease_rehearses_every_stage_on_the_cpu(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(["bash", "utils/gpu_lease.sh", "rehearse", str(out)], cwd=REPO, capture_output=True,
+    proc = subprocess.run(["bash", "utils/gpu/gpu_lease.sh", "rehearse", str(out)], cwd=REPO, capture_output=True,
                           text=True, env=env, timeout=1200, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads((out / "check" / "gpu_check.json").read_text())
@@ -43,16 +43,16 @@ def test_the_gpu_lease_rehearses_every_stage_on_the_cpu(tmp_path):
 
 
 def test_the_width_sweep_plan_reads_the_flags_of_the_lease_call():
-    """gpu_check's width_sweep_plan counts the records that utils/gpu_lease.sh width_sweep would reuse: a record
+    """gpu_check's width_sweep_plan counts the records that utils/gpu/gpu_lease.sh width_sweep would reuse: a record
     matches only the same flags (its model config lives under --runs_dir), so the two must agree."""
-    script = (REPO / "utils/gpu_lease.sh").read_text()
+    script = (REPO / "utils/gpu/gpu_lease.sh").read_text()
     line = next(line for line in script.splitlines() if line.strip().startswith("sweep=("))
     assert line.strip().removeprefix("sweep=(").removesuffix(")").split() == gpu_check.WIDTH_SWEEP
 
 
 def test_a_benchmark_row_that_fails_is_recorded_and_the_others_still_measure(tmp_path, monkeypatch):
     """A loss that fails on the GPU (liger under compile, say) must not cost the stage its other rows."""
-    from utils import benchmark_gpu
+    from utils.bench import benchmark_gpu
 
     def measure(config_path, *, loss, **settings):
         if loss == "chunked":

@@ -1,6 +1,6 @@
 """The micro-batch and --loss are speed choices, not changes of run: one update of the trainer's own step
 (Run.train_step) at accumulation 8, 2 and 1, the total batch of 8 sequences kept, and with the chunked loss, gives
-the same loss and the same gradients to float summation order. The GPU check (utils/gpu_check.py, stages micro_batch
+the same loss and the same gradients to float summation order. The GPU check (utils/gpu/gpu_check.py, stages micro_batch
 and losses) measures which is fastest."""
 import contextlib
 

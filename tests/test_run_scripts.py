@@ -38,9 +38,9 @@ def test_run_tiny_under_torchrun_exits_3_on_divergence_with_results_written(tmp_
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("command", [["bash", "utils/gpu_smoke.sh", "{out}"],
-                                     ["bash", "utils/gpu_check.sh", "{out}"],
-                                     [sys.executable, "utils/benchmark_gpu.py", "--json", "{out}"]])
+@pytest.mark.parametrize("command", [["bash", "utils/gpu/gpu_smoke.sh", "{out}"],
+                                     ["bash", "utils/gpu/gpu_check.sh", "{out}"],
+                                     [sys.executable, "utils/bench/benchmark_gpu.py", "--json", "{out}"]])
 def test_gpu_tools_refuse_a_machine_without_cuda_in_one_line(command, tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable)
     command = [part.format(out=tmp_path / "out") for part in command]
@@ -52,7 +52,7 @@ def test_gpu_tools_refuse_a_machine_without_cuda_in_one_line(command, tmp_path):
 
 
 def test_gpu_check_names_a_recipe_size_it_does_not_know_in_one_line(tmp_path, capsys):
-    from utils import gpu_check
+    from utils.gpu import gpu_check
 
     with pytest.raises(SystemExit) as exit_info:
         gpu_check.main([str(tmp_path / "out"), "--stages", "recipes", "--recipe_sizes", "7b"])
@@ -68,7 +68,7 @@ def test_benchmark_gpu_refuses_bad_counts_before_any_gpu_work(flag, value, monke
     --batch_size 0 silently ran the paper's micro-batch: refused in one line before CUDA is touched."""
     import torch
 
-    from utils import benchmark_gpu
+    from utils.bench import benchmark_gpu
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA H100 80GB HBM3")
@@ -82,7 +82,7 @@ def test_benchmark_gpu_refuses_bad_counts_before_any_gpu_work(flag, value, monke
 def test_gpu_check_report_reads_the_trainers_rows_and_judges_the_targets(tmp_path):
     """The GPU check's arithmetic, on rows as the trainer writes them: warm-up updates excluded, MFU over every
     position, real tokens beside it, and each target of issue 38 judged from its stage (or '-' when it did not run)."""
-    from utils import gpu_check
+    from utils.gpu import gpu_check
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -107,7 +107,7 @@ def test_gpu_check_report_reads_the_trainers_rows_and_judges_the_targets(tmp_pat
                                                  "tokens_per_s": 50_000}]},
               "bare_steps": {"ok": True, "rows": [{"config": "llama_1b.json", "compiled": True,
                                                    "tokens_per_s": rates["positions_per_s"] * 1.02}]}}
-    gpu_check.write_report(tmp_path, stages, "bash utils/gpu_check.sh out")
+    gpu_check.write_report(tmp_path, stages, "bash utils/gpu/gpu_check.sh out")
     judged = {what: met for what, _, _, met in gpu_check.verdicts(stages)}
     assert judged["run_1b.sh pre: MFU"] == (rates["mfu"] >= 0.5) and judged["run_130m.sh pre: MFU"] is None
     assert judged["eager 1B step: x the 18.6K tok/s of b0de76d"] is True  # 50K / 18.6K = 2.69

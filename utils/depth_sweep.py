@@ -99,7 +99,7 @@ BUDGETS["wikipedia_5000"] = dict(BUDGETS["wikipedia"], steps=5_000, warmup=500, 
 # --batch_size 64) without its 8-fold accumulation, so that one pass is some 1,350 updates rather than 170: enough for
 # the warmup and the cosine to mean what they do in the CPU sweep. The rate is the paper's 130M one, 1e-3 (chosen at
 # 8 times this batch; a smaller batch tolerates no higher rate, and a lower one would leave a one-pass run short of
-# updates). bf16 autocast (--dtype mixed) and eager (--no-compile) in the lease call (utils/gpu_lease.sh).
+# updates). bf16 autocast (--dtype mixed) and eager (--no-compile) in the lease call (utils/gpu/gpu_lease.sh).
 GPU_BATCH_SIZE, GPU_MAX_LENGTH = 64, 256
 # The analyses (thirds) fall on saves and on evals: the update count is a multiple of 3 x GPU_EVAL_EVERY.
 GPU_EVAL_EVERY = 150
@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_study_arguments(parser, BUDGETS, budget_help=(
         "named budget (see above). wikipedia_gpu is meant for one GPU (--device cuda --no-compile --jobs 6; "
-        "utils/gpu_lease.sh wikipedia_depth is its lease call): the paper's 130M block shape (hidden 768, 12 heads "
+        "utils/gpu/gpu_lease.sh wikipedia_depth is its lease call): the paper's 130M block shape (hidden 768, 12 heads "
         f"of 64, MLP 2048) at L = 6, 12, 24 on the Wikipedia split, {GPU_BATCH_SIZE} x {GPU_MAX_LENGTH} tokens a "
         f"step (the paper's 130M micro-batch, without its accumulation) for {WIKIPEDIA_GPU_STEPS:,} updates (one "
         "pass: below the first repeated article), lr 1e-3 (the paper's 130M rate), bf16 autocast (--dtype mixed), "
@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--estimate", action="store_true",
                         help="print the runs left, their tokens and model FLOPs, the analyses and an estimated time "
                              "(from an assumed GPU rate, not a measurement), and exit; trains nothing and needs no "
-                             "GPU (utils/gpu_lease.sh prints it before training)")
+                             "GPU (utils/gpu/gpu_lease.sh prints it before training)")
     parser.add_argument("--keep_checkpoints", action=argparse.BooleanOptionalAction, default=None,
                         help="keep each run's checkpoints once its record is written (default: kept on the CPU, "
                              "deleted on a GPU, where wikipedia_gpu's L = 24 runs save gigabytes each)")

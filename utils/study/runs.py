@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from peft_pretraining.exit_codes import ExitCode
 from utils.study import records as record_store
 from utils.study.host import machine_description
 
@@ -112,6 +113,11 @@ def collect_records(args, specs: list[RunSpec]) -> tuple[dict[str, dict], list[R
     """The records of every spec: read back (--report_only), or made by running the jobs that have none."""
     if args.report_only:
         records = saved_records(args, specs)
+        if not records:  # an empty report would look like a study; a committed one is named in the registry
+            print(f"--report_only: no record in {args.out / 'runs'} matches this command's settings, so there is no "
+                  "report to write; `python -m utils.study.registry list` names the committed studies and their "
+                  "commands", file=sys.stderr)
+            sys.exit(ExitCode.BAD_INPUT)
         return records, [spec for spec in as_trained(args, specs) if spec.name not in records]
     return run_jobs(as_trained(args, specs), analysis_settings(args.settings, args.device), args.runs_dir,
                     args.out / "runs", args.jobs, args.fresh, args.deadline, getattr(args, "keep_checkpoints", True))

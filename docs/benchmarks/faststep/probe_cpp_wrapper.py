@@ -1,6 +1,6 @@
 """Probe (not part of the package): does inductor's C++ wrapper (`cpp_wrapper=True`, kernels called from C++
 instead of Python) speed up the compiled mixed step? Study shape (llama_tiny_deep, 16 x 128), bf16 autocast over
-fp32 weights, 2 threads, interleaved repeats of 3 steps in one process; the step is utils/benchmark_model.py's.
+fp32 weights, 2 threads, interleaved repeats of 3 steps in one process; the step is utils/bench/benchmark_model.py's.
 
     python docs/benchmarks/faststep/probe_cpp_wrapper.py base,cppwrap 5
 """
@@ -13,7 +13,7 @@ import torch
 import torch._inductor.config as inductor_config
 
 from peft_pretraining.optimization import build_optimizer
-from utils.benchmark_model import autocast_for, build_models, make_step
+from utils.bench.benchmark_model import autocast_for, build_models, make_step
 
 REPO = Path(__file__).resolve().parents[3]
 

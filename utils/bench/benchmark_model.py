@@ -27,13 +27,15 @@ Five sections; all but profile print the median and the spread (min-max) of ever
 The in-process sections run with freed host memory kept for reuse, as the trainer runs on CPU
 (`host_memory.keep_freed_host_memory`); the header says whether it took effect.
 
-    python utils/benchmark_model.py                      # model and trainer, study shape and 130M (long on 2 cores)
-    python utils/benchmark_model.py --sections trainer --trainer_repeats 3
-    python utils/benchmark_model.py --sections trainer --before b036de4 --before_flags own   # the study then vs now
-    python utils/benchmark_model.py --sections layout --trainer_steps 20 --trainer_repeats 3
-    python utils/benchmark_model.py --sections profile --shapes configs/llama_tiny_deep.json:16:128 --dtypes float32
-    OMP_NUM_THREADS=1 python utils/benchmark_model.py --sections attention --dtypes mixed float32 --steps 10 --repeats 7
-    python utils/benchmark_model.py --quick              # a tiny smoke run, seconds
+    python utils/bench/benchmark_model.py              # model and trainer, study shape and 130M (long on 2 cores)
+    python utils/bench/benchmark_model.py --sections trainer --trainer_repeats 3
+    python utils/bench/benchmark_model.py --sections trainer --before b036de4 --before_flags own  # the study then, now
+    python utils/bench/benchmark_model.py --sections layout --trainer_steps 20 --trainer_repeats 3
+    python utils/bench/benchmark_model.py --sections profile --shapes configs/llama_tiny_deep.json:16:128 \
+        --dtypes float32
+    OMP_NUM_THREADS=1 python utils/bench/benchmark_model.py --sections attention --dtypes mixed float32 --steps 10 \
+        --repeats 7
+    python utils/bench/benchmark_model.py --quick      # a tiny smoke run, seconds
 
 Writes <out>/model.csv, trainer.csv, layout.csv, profile.csv, attention.csv and benchmark.json (default out:
 runs/benchmark_model).
@@ -65,7 +67,7 @@ from peft_pretraining.host_memory import keep_freed_host_memory
 from peft_pretraining.optimization import build_optimizer
 from utils.study.host import bf16_instructions, cpu_model_name
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 STUDY_CONFIG = "configs/llama_tiny_deep.json"
 MODELS = ("ours", "before", "hf", "hf_eager_attn")

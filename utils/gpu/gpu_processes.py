@@ -1,6 +1,6 @@
 """How many processes a GPU recipe starts, and whether it compiles: the decision behind run_130m.sh ... run_1b.sh.
 
-    python utils/gpu_processes.py SCRIPT RECIPE_PROCESSES -- TRAINER_FLAGS...
+    python utils/gpu/gpu_processes.py SCRIPT RECIPE_PROCESSES -- TRAINER_FLAGS...
 
 prints "PROCESSES COMPILE" (COMPILE is 1 or 0) on stdout and the reason on stderr; a machine or NPROC that cannot run
 the recipe is one line on stderr and exit 2, before any rank starts. TRAINER_FLAGS are the script's flags followed by

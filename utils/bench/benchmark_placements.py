@@ -1,7 +1,7 @@
 """What a placement costs against Pre-LN at a study's shape: parameters, activation memory and step time.
 
-    python utils/benchmark_placements.py                       # pre, attnres, mhc at the rivals budget's shape
-    python utils/benchmark_placements.py --norm_types pre lns mhc --steps 10
+    python utils/bench/benchmark_placements.py                       # pre, attnres, mhc at the rivals budget's shape
+    python utils/bench/benchmark_placements.py --norm_types pre lns mhc --steps 10
 
 Activation memory is what autograd keeps for the backward pass of one forward (the bytes of every tensor it saves,
 counted once each through saved_tensors_hooks): exact and the same on any host. Step time is the median of

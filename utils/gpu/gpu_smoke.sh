@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # GPU smoke run: run_130m.sh (the paper's 130M recipe, pure bf16) for 50 update steps on the offline C4-layout
 # folder with the T5-style tokenizer (utils/offline_fixtures.py), evaluating at steps 25 and 50 and saving at 50.
-#   bash utils/gpu_smoke.sh [OUT_DIR] [extra torchrun_main.py flags]     (default OUT_DIR runs/gpu_smoke-<UTC time>)
+#   bash utils/gpu/gpu_smoke.sh [OUT_DIR] [extra torchrun_main.py flags]     (default OUT_DIR runs/gpu_smoke-<UTC time>)
 # Exit code: as run_130m.sh (docs/training.md#exit-codes); 2 at once when no CUDA
 # device is visible.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 python=${PYTHON:-python}
 if ! "$python" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "gpu_smoke.sh: error: no CUDA device is visible; this smoke run trains run_130m.sh on a GPU" >&2

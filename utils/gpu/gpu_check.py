@@ -1,4 +1,4 @@
-"""The one-command GPU check: `bash utils/gpu_check.sh OUT_DIR` runs this file on one CUDA GPU.
+"""The one-command GPU check: `bash utils/gpu/gpu_check.sh OUT_DIR` runs this file on one CUDA GPU.
 
 Stages, each under a time limit; a failed stage does not stop the others:
     env          torch, CUDA, the GPU, the pinned packages, lm-eval and liger-kernel, the free disk
@@ -12,9 +12,9 @@ Stages, each under a time limit; a failed stage does not stop the others:
     losses       the bare compiled 130M step with --loss standard, chunked and liger at the chosen micro-batch: the
                  choice is the fastest whose loss is within head_losses.LOSS_TOLERANCE of the fp32 model's (liger is
                  skipped, with the reason, where it does not import)
-    eager_1b     the bare eager pure-bf16 1B step (utils/benchmark_gpu.py): the MLP width 5461, padded on CUDA
+    eager_1b     the bare eager pure-bf16 1B step (utils/bench/benchmark_gpu.py): the MLP width 5461, padded on CUDA
     width_sweep_plan  always, last: the width sweep's GPU runs left, the disk its widest run writes, the jobs the disk
-                 holds (utils/gpu_lease.sh width_sweep is that call)
+                 holds (utils/gpu/gpu_lease.sh width_sweep is that call)
 
 Writes OUT_DIR/gpu_check.md (the table, with the targets of issue 38) and OUT_DIR/gpu_check.json after every stage
 (a call cut at its limit keeps what finished), and a log per stage; prints each stage's seconds at the end.
@@ -42,7 +42,7 @@ from peft_pretraining.cli import OneLineErrorParser
 from peft_pretraining.head_losses import LOSS_TOLERANCE, liger_import_error
 from utils.model_arithmetic import PAPER_MICRO_BATCH, dense_bf16_peak_tflops, model_flops_per_token
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 STAGES = ["recipes", "fsdp_resume", "bare_steps", "micro_batch", "losses", "eager_1b"]
 RECIPE_UPDATES = {"130m": 14, "1b": 12}
 RECIPE_MICRO_BATCH = {"130m": 64, "1b": 32}  # run_130m.sh, run_1b.sh --batch_size
@@ -160,7 +160,7 @@ def stage_recipes(check: Check, fixtures: Path, peak: float | None, sizes: list[
         shutil.rmtree(run_dir, ignore_errors=True)  # a 1B checkpoint is about 8 GB: none is kept
 
 
-BENCHMARKS = {  # stage: utils/benchmark_gpu.py flags (micro_batch and losses add their --batch_size)
+BENCHMARKS = {  # stage: utils/bench/benchmark_gpu.py flags (micro_batch and losses add their --batch_size)
     "bare_steps": ["--configs", "configs/llama_130m.json", "configs/llama_1b.json", "--modes", "compiled",
                    "--steps", "8", "--warmup", "3"],
     "micro_batch": ["--configs", "configs/llama_130m.json", "--modes", "compiled", "--steps", "8", "--warmup", "3"],
@@ -198,7 +198,7 @@ def stage_benchmark(check: Check, stage: str):
     if check.rehearse:  # tiny micro-batches, the GPU's divided as the recipes' are
         flags = rehearsal_benchmark_flags(flags)
     rows_path, start = check.out / f"{stage}.json", time.perf_counter()
-    proc = check.run(stage, [sys.executable, "utils/benchmark_gpu.py", "--dtypes", "bfloat16", *flags,
+    proc = check.run(stage, [sys.executable, "utils/bench/benchmark_gpu.py", "--dtypes", "bfloat16", *flags,
                              "--json", str(rows_path)], limit_s=200)
     rows = json.loads(rows_path.read_text()) if rows_path.is_file() else []
     if stage == "micro_batch" and fastest(rows):
@@ -257,7 +257,7 @@ def stage_fsdp_resume(check: Check, fixtures: Path):
     shutil.rmtree(run_dir, ignore_errors=True)
 
 
-# The second call of a lease: utils/gpu_lease.sh width_sweep (keep these flags the same as its own)
+# The second call of a lease: utils/gpu/gpu_lease.sh width_sweep (keep these flags the same as its own)
 WIDTH_SWEEP = ["--budget", "gpu", "--device", "cuda", "--widths", "512", "768", "1024", "--runs_dir", "/tmp/width_runs",
                "--no-compile", "--jobs", "6"]
 DEVICE_DISK_GB = 64 * 2**30 / 1e9  # the lent machine's disk
@@ -367,7 +367,7 @@ def main(argv=None) -> int:
                        "GPU (bash run_tiny.sh runs on the CPU)\n")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    command = "bash utils/gpu_check.sh " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "bash utils/gpu/gpu_check.sh " + " ".join(argv if argv is not None else sys.argv[1:])
     # one thread per process in a rehearsal: on a busy 2-core CI machine two were 3 to 10 times slower
     threads = {"OMP_NUM_THREADS": "1"} if args.rehearse else {}
     check = Check(out, dict(os.environ, **OFFLINE, **threads, NPROC="1"), command, args.rehearse)

@@ -4,7 +4,7 @@ Loader: the embedded corpus, padding and packing, `--loader_batches` micro-batch
 (token slots per second, the rate the trainer consumes them). Training: forward + backward + AdamW step of the
 `--config` model in fp32 on this machine, timed after one warm-up step. Target: loader >= 10x training.
 
-    python utils/benchmark_dataloader.py            # defaults: llama_130m, max_length 256, batch 64
+    python utils/bench/benchmark_dataloader.py            # defaults: llama_130m, max_length 256, batch 64
 
 Streaming reader (`--streaming`): on a local fixture of `--shards` jsonl.gz shards made in a temporary folder,
 documents read from the files per document used over one epoch (read amplification) for several `--workers`, and the
@@ -12,7 +12,7 @@ time from `load_state_dict` at a late position (`--resume_at` of the epoch) to t
 runs the same measurements with another version of peft_pretraining/dataloader.py, interleaved with this one:
 
     git show <commit>:peft_pretraining/dataloader.py > /tmp/dataloader_old.py
-    python utils/benchmark_dataloader.py --streaming --compare_with /tmp/dataloader_old.py
+    python utils/bench/benchmark_dataloader.py --streaming --compare_with /tmp/dataloader_old.py
 """
 import argparse
 import gzip

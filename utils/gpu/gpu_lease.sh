@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # One lent GPU's prepared calls, run on the device from the project root with the wheels of
 # ../shared/tools/gpu_wheels.sh carried in .whl/ (docs/benchmarks.md#a-gpu-lease):
-#   bash utils/gpu_lease.sh check OUT [gpu_check.sh flags]   # utils/gpu_check.sh: recipes, FSDP stop-and-resume, ...
-#   bash utils/gpu_lease.sh width_sweep OUT [width_sweep.py flags]   # the width sweep's GPU widths (resumable:
+#   bash utils/gpu/gpu_lease.sh check OUT [gpu_check.sh flags]   # utils/gpu/gpu_check.sh: recipes, FSDP stop-and-resume, ...
+#   bash utils/gpu/gpu_lease.sh width_sweep OUT [width_sweep.py flags]   # the width sweep's GPU widths (resumable:
 #                                                                    # records land as runs end)
-#   bash utils/gpu_lease.sh rehearse OUT     # both, on this machine's CPU at tiny sizes, through the same lines (CI)
+#   bash utils/gpu/gpu_lease.sh rehearse OUT     # both, on this machine's CPU at tiny sizes, through the same lines (CI)
 # and the Wikipedia depth sweep at hidden 768 (issue 68; docs/gpu.md), carried in .lease/ (git-ignored):
-#   bash utils/gpu_lease.sh prepare_wikipedia    # here, before the call: the corpus and wheels into .lease/, and
+#   bash utils/gpu/gpu_lease.sh prepare_wikipedia    # here, before the call: the corpus and wheels into .lease/, and
 #                                                # the travel check (fails above 60 MiB)
-#   bash utils/gpu_lease.sh wikipedia_depth OUT [depth_sweep.py flags]  # on the device: seed 1's six runs, one wave
-#   bash utils/gpu_lease.sh rehearse_wikipedia OUT   # the same lines on this machine's CPU at tiny sizes (CI)
+#   bash utils/gpu/gpu_lease.sh wikipedia_depth OUT [depth_sweep.py flags]  # on the device: seed 1's six runs, one wave
+#   bash utils/gpu/gpu_lease.sh rehearse_wikipedia OUT   # the same lines on this machine's CPU at tiny sizes (CI)
 # Installs the wheels, gives the image the `python` and `torchrun` a GPU node has, and leaves every result in OUT
 # as at most 8 small files (a sweep's records as one tarball, rewritten as each run ends).
 set -uo pipefail
@@ -20,14 +20,14 @@ if [[ $what == prepare_wikipedia ]]; then
     # own transformers 5.17 and tokenizers 0.23.2 serve: docs/gpu.md), then what the call would send, measured.
     mkdir -p "$lease/whl"
     if [[ ! -s $lease/wikipedia.tar.xz ]]; then
-        python -m utils.gpu_carry pack_corpus --out "$lease/wikipedia.tar.xz" || exit
+        python -m utils.gpu.gpu_carry pack_corpus --out "$lease/wikipedia.tar.xz" || exit
     fi
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d "$lease/whl" $(grep -ihE '^(datasets|lm_eval)==' exp_requirements.txt) "dill<0.4.2" \
         "multiprocess<0.70.20" more-itertools==11.2.1 || { echo "gpu_lease.sh prepare_wikipedia: pip download failed"; exit 1; }
     ls -1 "$lease" "$lease/whl"
-    exec python -m utils.gpu_carry travel --carry "$lease"
+    exec python -m utils.gpu.gpu_carry travel --carry "$lease"
 fi
 if [[ $# -lt 2 ]]; then
     echo "gpu_lease.sh: error: give what and OUT (check, width_sweep, rehearse, wikipedia_depth or" \
@@ -68,9 +68,9 @@ if [[ $what == rehearse_wikipedia ]]; then
     # The Wikipedia call's lines on this CPU: a tiny corpus of the same shape packed and carried as the real one
     # is, the travel check on what a call would send from here (the tree and a prepared .lease/), then the call.
     start=$(date +%s)
-    python -m utils.gpu_carry rehearsal_corpus --out "$out/corpus" >/dev/null \
-        && python -m utils.gpu_carry pack_corpus --corpus "$out/corpus" --out "$out/rehearsal.tar.xz" || exit
-    python -m utils.gpu_carry travel --carry "$lease"; travel=$?
+    python -m utils.gpu.gpu_carry rehearsal_corpus --out "$out/corpus" >/dev/null \
+        && python -m utils.gpu.gpu_carry pack_corpus --corpus "$out/corpus" --out "$out/rehearsal.tar.xz" || exit
+    python -m utils.gpu.gpu_carry travel --carry "$lease"; travel=$?
     for pin in $(grep -ihE '^(datasets|lm_eval)==' exp_requirements.txt); do  # a prepared lease has the pinned wheels
         if [[ -s $lease/wikipedia.tar.xz ]] && ! compgen -G "$lease/whl/${pin%%==*}-${pin##*==}-*.whl" >/dev/null; then
             echo "gpu_lease.sh rehearse_wikipedia: $lease/whl has no wheel of $pin: run prepare_wikipedia"
@@ -98,12 +98,12 @@ chmod +x "$bin"/* 2>/dev/null; export PATH=$bin:$PATH
 start=$(date +%s)
 case $what in
     check)
-        bash utils/gpu_check.sh "$out/check" "$@"; code=$?
+        bash utils/gpu/gpu_check.sh "$out/check" "$@"; code=$?
         cp "$out"/check/gpu_check.md "$out"/check/gpu_check.json "$out"/ 2>/dev/null
         tar czf "$out/check_logs.tgz" -C "$out/check" --exclude fixtures --exclude runs . 2>/dev/null
         rm -rf "$out/check";;
     width_sweep)
-        # The GPU's command (utils/gpu_check.py's WIDTH_SWEEP plans from the same flags); --rehearse appends the
+        # The GPU's command (utils/gpu/gpu_check.py's WIDTH_SWEEP plans from the same flags); --rehearse appends the
         # CPU's (the last of a flag wins): the quick budget's tiny widths, in float32 (no bf16 instructions here),
         # two jobs on two cores, checkpoints deleted as on a GPU, records into OUT
         sweep=(--budget gpu --device cuda --widths 512 768 1024 --runs_dir /tmp/width_runs --no-compile --jobs 6)
@@ -135,7 +135,7 @@ case $what in
             sweep+=(--budget wikipedia_gpu_quick --device cpu --jobs 4 --runs_dir "$runs" --out "$folder"
                     --dtype float32)
         fi
-        python -m utils.gpu_carry unpack_corpus --archive "${GPU_LEASE_CORPUS:-$lease/wikipedia.tar.xz}" \
+        python -m utils.gpu.gpu_carry unpack_corpus --archive "${GPU_LEASE_CORPUS:-$lease/wikipedia.tar.xz}" \
             --out "$corpus" || exit
         export WIKIPEDIA_DATA_DIR=$corpus
         python utils/depth_sweep.py "${sweep[@]}" "$@" --estimate | tee "$out/plan.txt" || exit

@@ -1,10 +1,10 @@
-"""What a GPU lease carries: the helpers of utils/gpu_lease.sh's Wikipedia call (its plan is depth_sweep.py
+"""What a GPU lease carries: the helpers of utils/gpu/gpu_lease.sh's Wikipedia call (its plan is depth_sweep.py
 --estimate).
 
-    python -m utils.gpu_carry travel [--carry .lease] [--limit_mib 60]   # the bytes that would travel; fails above
-    python -m utils.gpu_carry pack_corpus --out .lease/wikipedia.tar.xz     # the corpus as text, xz-compressed
-    python -m utils.gpu_carry unpack_corpus --archive .lease/wikipedia.tar.xz --out /tmp/wikipedia
-    python -m utils.gpu_carry rehearsal_corpus --out DIR                    # a tiny corpus of the same shape (CI)
+    python -m utils.gpu.gpu_carry travel [--carry .lease] [--limit_mib 60]   # the bytes that would travel; fails above
+    python -m utils.gpu.gpu_carry pack_corpus --out .lease/wikipedia.tar.xz     # the corpus as text, xz-compressed
+    python -m utils.gpu.gpu_carry unpack_corpus --archive .lease/wikipedia.tar.xz --out /tmp/wikipedia
+    python -m utils.gpu.gpu_carry rehearsal_corpus --out DIR                    # a tiny corpus of the same shape (CI)
 
 A call of the device tool sends the working tree (tracked files and untracked files git does not ignore, and a
 shared/ folder inside the checkout) and the paths its `carry` names, 64 MiB in all (/work/.library/device/README.md).
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from peft_pretraining.cli import OneLineErrorParser
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 TRAVEL_LIMIT_MIB = 60  # below the tool's 64 MiB
 CORPUS_ARCHIVE = "wikipedia.tar.xz"
@@ -133,7 +133,7 @@ def write_rehearsal_corpus(out: Path, shards: int = 3, articles_per_shard: int =
 
 
 def build_parser() -> OneLineErrorParser:
-    parser = OneLineErrorParser(prog="python -m utils.gpu_carry", description=__doc__,
+    parser = OneLineErrorParser(prog="python -m utils.gpu.gpu_carry", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     travel = commands.add_parser("travel", help="the bytes a device call would send; exit 1 above the limit")
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_carry rehearsal_corpus: {write_rehearsal_corpus(Path(args.out))}", flush=True)
         return 0
     if not Path(args.archive).is_file():
-        parser.error(f"--archive {args.archive}: no such file (bash utils/gpu_lease.sh prepare_wikipedia makes it)")
+        parser.error(f"--archive {args.archive}: no such file (bash utils/gpu/gpu_lease.sh prepare_wikipedia makes it)")
     try:
         written = unpack_corpus(Path(args.archive), Path(args.out))
     except ValueError as error:

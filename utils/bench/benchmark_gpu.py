@@ -1,11 +1,12 @@
-"""The trainer's update step on one CUDA GPU: tokens/s, MFU and peak memory (CPU figures: utils/benchmark_model.py).
+"""The trainer's update step on one CUDA GPU: tokens/s, MFU and peak memory (CPU figures:
+utils/bench/benchmark_model.py).
 
-    python utils/benchmark_gpu.py                                  # 130M and 1B, paper micro-batch, eager + compiled,
-                                                                   # pure bf16 and mixed
-    python utils/benchmark_gpu.py --configs configs/llama_1b.json --batch_size 16 --modes eager --dtypes mixed
-    python utils/benchmark_gpu.py --peak_tflops 400                # a GPU missing from the table below
-    python utils/benchmark_gpu.py --configs configs/llama_130m.json --losses standard chunked liger --batch_size 64 128
-    python utils/benchmark_gpu.py --device cpu --configs configs/llama_tiny.json --batch_size 2   # a rehearsal
+    python utils/bench/benchmark_gpu.py        # 130M and 1B, paper micro-batch, eager + compiled, pure bf16 and mixed
+    python utils/bench/benchmark_gpu.py --configs configs/llama_1b.json --batch_size 16 --modes eager --dtypes mixed
+    python utils/bench/benchmark_gpu.py --peak_tflops 400                # a GPU missing from the table below
+    python utils/bench/benchmark_gpu.py --configs configs/llama_130m.json --losses standard chunked liger \
+        --batch_size 64 128
+    python utils/bench/benchmark_gpu.py --device cpu --configs configs/llama_tiny.json --batch_size 2   # a rehearsal
 
 --losses compares the trainer's --loss ways of computing the lm_head and its loss (peft_pretraining/head_losses.py:
 standard, chunked, liger; the same function). With more than one, every row also carries the loss of its first step
@@ -13,7 +14,7 @@ standard, chunked, liger; the same function). With more than one, every row also
 head_losses.LOSS_TOLERANCE of fp32 can be adopted. Several --batch_size values measure a larger micro-batch (the
 trainer keeps the total batch through accumulation).
 
---device cpu runs the same code on the CPU, for utils/gpu_check.py's rehearsal only: its times and memory mean
+--device cpu runs the same code on the CPU, for utils/gpu/gpu_check.py's rehearsal only: its times and memory mean
 nothing, and it has no MFU.
 
 One step is what torchrun_main.py does per update at accumulation 1: forward (under bf16 autocast for mixed),
@@ -39,7 +40,7 @@ from peft_pretraining.head_losses import HEAD_LOSSES, liger_import_error
 from peft_pretraining.modeling_llama import NORM_TYPES, LlamaForCausalLM, build_config
 from utils.model_arithmetic import PAPER_MICRO_BATCH, dense_bf16_peak_tflops, model_flops_per_token
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 def random_tokens(config, batch: int, seq_len: int, device) -> torch.Tensor:
     """The same tokens for every row of a config and micro-batch, whatever loss or precision the row measures."""
     generator = torch.Generator().manual_seed(0)
@@ -126,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the GPU's dense bf16 peak, for a GPU missing from the built-in table")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                        help="cpu: the same code on the CPU, for utils/gpu_check.sh --rehearse (no MFU, no memory)")
+                        help="cpu: the same code on the CPU, for utils/gpu/gpu_check.sh --rehearse (no MFU, no memory)")
     return parser
 
 
@@ -144,7 +145,8 @@ def main(argv=None):
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         parser.error(f"--peak_tflops must be positive, got {args.peak_tflops}")
     if args.device == "cuda" and not torch.cuda.is_available():
-        fail("no CUDA device is visible; this benchmark measures the GPU step (utils/benchmark_model.py runs on CPU)")
+        fail("no CUDA device is visible; this benchmark measures the GPU step "
+             "(utils/bench/benchmark_model.py runs on CPU)")
     if "liger" in args.losses and (args.device == "cpu" or liger_import_error()):
         fail("--losses liger: " + (liger_import_error() or "liger-kernel runs on CUDA only, not with --device cpu"))
     for path in args.configs:

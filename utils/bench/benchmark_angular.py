@@ -1,7 +1,7 @@
 """Time the angular analysis on a SmolLM-135M-shaped model (30 layers) with random weights, built locally.
 
-    python utils/benchmark_angular.py                         # 64K tokens of the embedded held-out novel
-    python utils/benchmark_angular.py --dtypes bfloat16 --threads 1     # as in docs/benchmarks.md
+    python utils/bench/benchmark_angular.py                         # 64K tokens of the embedded held-out novel
+    python utils/bench/benchmark_angular.py --dtypes bfloat16 --threads 1     # as in docs/benchmarks.md
 
 Prints, per dtype, the wall time and this process's CPU time of the whole analysis (tokenise, forward with hooks,
 angular sums) and tokens per second. On a shared machine the wall time includes waiting for the cores; CPU time / 2

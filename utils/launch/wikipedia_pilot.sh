@@ -3,15 +3,15 @@
 # records, as they land. Resumable: run the same command again (in a later session too) and the run that was
 # interrupted continues from its last save (every 500 updates); finished runs are reused from their records.
 #
-#   nohup bash utils/wikipedia_pilot.sh > /work/wikipedia_pilot.log 2>&1 &     # the pilot: seed 1, L = 12, 24 first
-#   nohup bash utils/wikipedia_pilot.sh wikipedia > /work/wikipedia_sweep.log 2>&1 &   # the 3-seed sweep
+#   nohup bash utils/launch/wikipedia_pilot.sh > /work/wikipedia_pilot.log 2>&1 &     # the pilot: seed 1, L = 12, 24 first
+#   nohup bash utils/launch/wikipedia_pilot.sh wikipedia > /work/wikipedia_sweep.log 2>&1 &   # the 3-seed sweep
 #
 # Run it with the project's Python environment active. To stop it, end this script and the depth_sweep.py under it
 # first (kill PID), then the trainer (torchrun_main.py), which saves on SIGTERM before it exits; ended in the other
 # order, the sweep would start its next run. A run killed without its save resumes from the one before (<= 500 updates).
 # float32, eager: on a CPU without bf16 instructions --dtype mixed is about 3x slower (docs/study.md).
 set -u
-cd "$(dirname "$0")/.." || exit 1
+cd "$(dirname "$0")/../.." || exit 1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's code, also in a worktree beside the installed one
 BUDGET=${1:-wikipedia_pilot}
 FLAGS=(--budget "$BUDGET" --dtype float32 --no-compile)
