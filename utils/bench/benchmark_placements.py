@@ -22,7 +22,7 @@ import torch
 from peft_pretraining.cli import OneLineErrorParser
 from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config, norm_types
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def build_parser() -> argparse.ArgumentParser:
