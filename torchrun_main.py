@@ -116,7 +116,7 @@ def open_run_folder(args, rank: int, resume_step: int | None, on_exit: contextli
 
 
 def build_model_config(args, tokenizer, log):
-    options = {option: getattr(args, option) for option in args_utils.MODEL_OPTIONS}
+    options = {option: getattr(args, option) for option in args_utils.model_options()}
     try:
         config = build_config(args.model_config, **options)
     except ValueError as err:
@@ -147,7 +147,7 @@ def check_checkpoint_matches(args, config, checkpoint: str):
         saved = json.load(f)
     if "norm_type" in saved:
         saved["norm_type"] = canonical_norm_type(saved["norm_type"])  # a "cod" checkpoint resumes as "lns"
-    for flag in args_utils.MODEL_OPTIONS:
+    for flag in args_utils.model_options():
         if flag in saved and saved[flag] != getattr(config, flag):
             raise BadInput(f"--{flag} {getattr(config, flag)!r} differs from the checkpoint's {saved[flag]!r} "
                            f"(--continue_from {checkpoint})")
@@ -434,7 +434,7 @@ class Run:
 
     def describe_model(self):
         args, config = self.args, self.config
-        options = " ".join(f"{option}={getattr(config, option)}" for option in args_utils.MODEL_OPTIONS)
+        options = " ".join(f"{option}={getattr(config, option)}" for option in args_utils.model_options())
         wrap = "fsdp2" if args.fsdp else "ddp" if self.world_size > 1 else "none"
         self.log(f"model: {args.model_config} {options} params={self.n_params / 1e6:.2f}M dtype={args.dtype} "
                  f"device={self.device} world_size={self.world_size} wrap={wrap}")

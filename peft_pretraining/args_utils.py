@@ -18,23 +18,23 @@ from peft_pretraining.cli import OneLineErrorParser
 from peft_pretraining.distributed import DEFAULT_TIMEOUT_MINUTES
 from peft_pretraining.head_losses import HEAD_LOSSES, liger_import_error
 from peft_pretraining.modeling_llama import (
-    DEEPNORM_INITS,
-    DEFAULT_COMPLETEP_ALPHA,
-    DEFAULT_DEEPNORM_INIT,
-    DEFAULT_LAYERSCALE_FORM,
-    DEFAULT_LAYERSCALE_INIT,
     INIT_METHODS,
-    LAYERSCALE_FORMS,
     NORM_TYPE_ALIASES,
-    NORM_TYPE_CHOICES,
     canonical_norm_type,
+    norm_type_choices,
+    placement_settings,
 )
 from peft_pretraining.run_folder import SUPERSEDED_DIR
 from peft_pretraining.wikipedia_corpus import WIKIPEDIA, corpus_paths
 
-# Model options recorded in the checkpoint config: resume takes them from there and refuses a different value.
-MODEL_OPTIONS = ("norm_type", "post_num", "init_method", "layerscale_form", "layerscale_init", "completep_alpha",
-                 "deepnorm_init", "embed_init_std")
+
+def model_options() -> tuple[str, ...]:
+    """Model options recorded in the checkpoint config: resume takes them from there and refuses a different value.
+    Each placement's settings are among them (a row of PLACEMENTS lists its own)."""
+    return ("norm_type", "post_num", "init_method", *placement_settings(), "embed_init_std")
+
+
+MODEL_OPTIONS = model_options()  # as the rows ship; the trainer calls model_options()
 DATASET_EMBEDDED = "embedded"
 DEFAULT_HUB_TOKENIZER = "t5-base"
 # About two years. torch counts a collective's deadline in int64 nanoseconds from now, which overflows near 1.5e8
@@ -70,24 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--model_config", type=str, default=None,
                        help="model JSON, e.g. configs/llama_130m.json (required unless --continue_from)")
     aliases = ", ".join(f"{alias} = {name}" for alias, name in NORM_TYPE_ALIASES.items())
-    model.add_argument("--norm_type", type=str.lower, default=None, choices=NORM_TYPE_CHOICES,
+    model.add_argument("--norm_type", type=str.lower, default=None, choices=norm_type_choices(),
                        help=f"norm placement ({aliases}); env NORM_TYPE is read when the flag is absent (default pre)")
     model.add_argument("--post_num", type=int, default=None,
                        help="Mix-LN (post_pre): the first post_num layers are Post-LN; env POST_NUM when absent")
     model.add_argument("--init_method", type=str.lower, default=None, choices=INIT_METHODS,
                        help="default normal; scaled: o_proj/down_proj std / sqrt(2L); depth_scaled: std / sqrt(2l)")
-    model.add_argument("--layerscale_form", type=str.lower, default=None, choices=LAYERSCALE_FORMS,
-                       help=f"layerscale: one gain per channel or one scalar per sublayer (default "
-                            f"{DEFAULT_LAYERSCALE_FORM})")
-    model.add_argument("--layerscale_init", type=float, default=None,
-                       help="initial LayerScale gain (default: " +
-                            ", ".join(f"{v} for {k}" for k, v in DEFAULT_LAYERSCALE_INIT.items()) + ")")
-    model.add_argument("--completep_alpha", type=float, default=None,
-                       help=f"completep: branches are multiplied by L^-alpha (default {DEFAULT_COMPLETEP_ALPHA}; "
-                            f"0.5 is depth-muP)")
-    model.add_argument("--deepnorm_init", type=str.lower, default=None, choices=DEEPNORM_INITS,
-                       help=f"deepnorm: deepnet (std * (8L)^-1/4) or reference (the authors' Xavier gains) (default "
-                            f"{DEFAULT_DEEPNORM_INIT})")
+    for setting in placement_settings().values():  # each placement's own settings, from its row
+        kind = dict(type=str.lower, choices=setting.choices) if setting.choices else dict(
+            type=int if setting.integer else float)
+        model.add_argument(f"--{setting.key}", default=None, nargs=setting.count if setting.count > 1 else None,
+                           help=setting.help_text(), **kind)
     model.add_argument("--embed_init_std", type=float, default=None,
                        help="std of the embedding init (default: the config's initializer_range, 0.02; the "
                             "paper's uploaded code used sqrt(2/5) = 0.632)")
@@ -211,11 +204,12 @@ def check_save_dir(save_dir: str) -> str | None:
 def _resolve_norm(args, parser, saved: dict):
     """Flag, else environment (NORM_TYPE/POST_NUM, for old scripts), else the resumed checkpoint, else default."""
     if args.norm_type is None and os.environ.get("NORM_TYPE"):
-        env = os.environ["NORM_TYPE"]
         # The reference lower-cased NORM_TYPE and then compared it with 'LNS', so its LNS branch never ran.
-        if env.lower() not in NORM_TYPE_CHOICES:
-            parser.error(f"environment NORM_TYPE={env!r} is not one of {', '.join(NORM_TYPE_CHOICES)}")
-        args.norm_type = env.lower()
+        try:
+            args.norm_type = canonical_norm_type(os.environ["NORM_TYPE"])
+        except ValueError:
+            parser.error(f"environment NORM_TYPE={os.environ['NORM_TYPE']!r} is not one of "
+                         f"{', '.join(norm_type_choices())}")
     if args.post_num is None and os.environ.get("POST_NUM", "").strip():
         try:
             args.post_num = int(os.environ["POST_NUM"])
@@ -226,20 +220,10 @@ def _resolve_norm(args, parser, saved: dict):
     args.norm_type = canonical_norm_type(args.norm_type)
     if args.post_num is None:
         args.post_num = saved.get("post_num")
-    defaults = {"init_method": "normal", "layerscale_form": DEFAULT_LAYERSCALE_FORM, "completep_alpha":
-                DEFAULT_COMPLETEP_ALPHA, "deepnorm_init": DEFAULT_DEEPNORM_INIT, "embed_init_std": None}
-    for option, default in defaults.items():
+    for option, default in {"init_method": "normal", "embed_init_std": None}.items():
         if getattr(args, option) is None:
             setattr(args, option, saved.get(option, default))
-    if args.layerscale_init is None:
-        same_form = saved.get("layerscale_form", DEFAULT_LAYERSCALE_FORM) == args.layerscale_form
-        args.layerscale_init = saved.get("layerscale_init") if same_form else None
-        if args.layerscale_init is None:
-            args.layerscale_init = DEFAULT_LAYERSCALE_INIT[args.layerscale_form]
-    if not math.isfinite(args.layerscale_init):
-        parser.error(f"--layerscale_init must be a finite number, got {args.layerscale_init}")
-    if not (math.isfinite(args.completep_alpha) and args.completep_alpha >= 0):
-        parser.error(f"--completep_alpha must be a finite number >= 0, got {args.completep_alpha}")
+    resolve_placement_settings(args, parser, saved)
     if args.embed_init_std is not None and not (math.isfinite(args.embed_init_std) and args.embed_init_std > 0):
         parser.error(f"--embed_init_std must be a positive number, got {args.embed_init_std}")
     if args.norm_type == "post_pre" and args.post_num is None:
@@ -248,11 +232,29 @@ def _resolve_norm(args, parser, saved: dict):
         args.post_num = 0
 
 
+def resolve_placement_settings(args, parser, saved: dict):
+    """Each placement setting: the flag, else the checkpoint's (kept only under the same value of the setting it
+    depends on: a saved LayerScale init belongs to its form), else its default; checked by its row."""
+    resolved = {}
+    for key, setting in placement_settings().items():
+        value = getattr(args, key)
+        if value is None:
+            depends_on = setting.depends_on
+            same = depends_on is None or saved.get(depends_on, placement_settings()[depends_on].default_for(
+                resolved)) == resolved[depends_on]
+            value = saved.get(key) if same and saved.get(key) is not None else setting.default_for(resolved)
+        try:
+            resolved[key] = setting.check(value)
+        except ValueError as error:
+            parser.error(f"--{key}: {error}")
+        setattr(args, key, resolved[key])
+
+
 def check_saved_config(parser, path: str, saved: dict):
     """The norm settings a checkpoint's config.json hands to this run must be valid values."""
     if not isinstance(saved, dict):
         parser.error(f"--continue_from: {path} is not a JSON object (it holds a {type(saved).__name__})")
-    for key, valid in (("norm_type", NORM_TYPE_CHOICES), ("init_method", INIT_METHODS)):
+    for key, valid in (("norm_type", norm_type_choices()), ("init_method", INIT_METHODS)):
         if key in saved and str(saved[key]).lower() not in valid:
             parser.error(f"--continue_from: {path} has an unknown {key} {saved[key]!r} (valid: {', '.join(valid)})")
     post_num = saved.get("post_num")

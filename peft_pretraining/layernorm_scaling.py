@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from peft_pretraining.model_parts import decoder_layers, is_our_config, unwrap
+from peft_pretraining.modeling_llama import canonical_norm_type
 
 # "llama_norm_placement" is this repository's model (peft_pretraining.modeling_llama); only its Pre-LN takes hooks.
 SUPPORTED_MODEL_TYPES = ("llama", "llama_norm_placement", "mistral", "qwen2", "qwen3")
@@ -63,7 +64,7 @@ def _checked_decoder_layers(model: nn.Module) -> nn.ModuleList:
             f"got model_type={model_type!r} ({type(model).__name__})"
         )
     # Of this repository's models, only the plain Pre-LN placement matches HF's layer layout.
-    if is_our_config(model.config) and str(model.config.norm_type).lower() != "pre":
+    if is_our_config(model.config) and canonical_norm_type(model.config.norm_type) != "pre":
         raise ValueError(
             f"apply_layernorm_scaling needs a Pre-LN model; this model has norm_type={model.config.norm_type!r} "
             "(for LNS pretraining use norm_type='lns' directly)"

@@ -10,8 +10,9 @@ norms, gates, DyT's alpha and bias, BHyT's lam, HybridNorm's q_norm/k_norm as in
 placement module, the norm or the attention, so weights move freely.
 
 The model is built from a `NormPlacementConfig` (a `transformers.LlamaConfig` under its own model_type, below) with
-extra attributes (all optional, defaults in brackets):
-    norm_type         one of NORM_TYPES, case-insensitive; "cod" (the paper's uploaded code) is an alias of "lns" [pre]
+extra attributes (all optional, defaults in brackets). A placement's own settings are `Setting`s in its row (the
+trainer's flags of the same names are built from them); they are listed here too:
+    norm_type         a row of PLACEMENTS, case-insensitive; "cod" (the uploaded code's name) is an alias of "lns" [pre]
     post_num          Mix-LN: layers with 0-based index < post_num are Post-LN, the rest Pre-LN [0]
     init_method       normal | scaled | depth_scaled [normal]
     layerscale_form   channel (one gain per channel) | scalar (one gain per sublayer) [channel]
@@ -84,9 +85,27 @@ def as_norm_placement_config(config) -> NormPlacementConfig:
 
 
 def canonical_norm_type(value) -> str:
-    """Lower-cased norm type with aliases resolved ("COD" -> "lns"); unknown names pass through for validation."""
+    """The one place a norm type is made canonical: lower-cased, aliases resolved ("COD" -> "lns"); ValueError
+    naming every choice for a name that is no row of PLACEMENTS."""
     name = str(value).lower()
-    return NORM_TYPE_ALIASES.get(name, name)
+    name = NORM_TYPE_ALIASES.get(name, name)
+    if name not in PLACEMENTS:
+        raise ValueError(f"unknown norm_type {value!r}; valid choices: {', '.join(norm_type_choices())}")
+    return name
+
+
+def norm_types() -> tuple[str, ...]:
+    """Every norm type: the rows of PLACEMENTS, read at each call (a row added later is one)."""
+    return tuple(PLACEMENTS)
+
+
+def norm_type_choices() -> tuple[str, ...]:
+    return (*norm_types(), *NORM_TYPE_ALIASES)
+
+
+def layer_placements() -> tuple[str, ...]:
+    """The rows a single layer can be built from (not the mixes, such as post_pre)."""
+    return tuple(name for name, row in PLACEMENTS.items() if row.residuals is not None)
 
 
 def _choice(value, valid, what: str, aliases: dict | None = None) -> str:
@@ -95,6 +114,66 @@ def _choice(value, valid, what: str, aliases: dict | None = None) -> str:
     if name not in valid:
         raise ValueError(f"unknown {what} {value!r}; valid choices: {', '.join((*valid, *(aliases or {})))}")
     return name
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting of a placement: a config key, the trainer's flag of the same name (`--<key>`), its default and
+    its check. A resumed run takes the checkpoint's value unless the flag says otherwise."""
+    key: str
+    help: str
+    default: object = None  # a value, or a function of the settings resolved before this one
+    choices: tuple[str, ...] = ()  # a choice (lower-cased); otherwise a number
+    minimum: float | None = None  # a number at least this
+    positive: bool = False  # a number above 0
+    count: int = 1  # numbers per value: 2 for a pair, written as a list
+    integer: bool = False  # a whole number (kept as an int)
+    depends_on: str | None = None  # the setting whose value decides this one's default: a saved value is kept
+    #                                only under the same value of that one
+
+    def default_for(self, resolved: dict):
+        return self.default(resolved) if callable(self.default) else self.default
+
+    def check(self, value):
+        """The canonical value (lower-cased choice, float, or list of floats); ValueError naming the key."""
+        if self.choices:
+            return _choice(value, self.choices, self.key)
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        if len(values) != self.count or not all(self._valid_number(v) for v in values):
+            bound = " > 0" if self.positive else f" >= {self.minimum}" if self.minimum is not None else ""
+            what = f"{self.count} finite numbers{bound}" if self.count > 1 else f"a finite number{bound}"
+            raise ValueError(f"{self.key}={value!r} is not {what}")
+        if self.integer:
+            return int(values[0])
+        return [float(v) for v in values] if self.count > 1 else float(values[0])
+
+    def _valid_number(self, v) -> bool:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return False
+        if self.integer and float(v) != int(v):
+            return False
+        return not ((self.minimum is not None and v < self.minimum) or (self.positive and v <= 0))
+
+    def help_text(self) -> str:
+        return self.help if callable(self.default) else f"{self.help} (default {self.default})"
+
+
+def placement_settings() -> dict[str, Setting]:
+    """Every row's settings by key, in the rows' order (a setting shared by rows is listed once)."""
+    found = {}
+    for row in PLACEMENTS.values():
+        for setting in row.settings:
+            found.setdefault(setting.key, setting)
+    return found
+
+
+def resolve_settings(config) -> dict:
+    """Every placement setting's value for `config` (its own, else the default), checked."""
+    resolved = {}
+    for key, setting in placement_settings().items():
+        value = getattr(config, key, None)
+        resolved[key] = setting.check(setting.default_for(resolved) if value is None else value)
+    return resolved
 
 
 def _number(config, key: str, default: float, minimum: float | None = None) -> float:
@@ -114,20 +193,14 @@ def _number(config, key: str, default: float, minimum: float | None = None) -> f
 
 @dataclass(frozen=True)
 class LayerPlan:
-    placements: list[str]  # one of LAYER_PLACEMENTS per layer
+    placements: list[str]  # one of layer_placements() per layer
     depths: list[int]  # 1-based depth of each layer, used by LNS and depth-scaled init
     depth_scaling_num_layers: int  # the L of DeepNorm's alpha and beta and CompleteP's L^-alpha (kept after removal)
     init_method: str
     final_norm: str  # "dyt" or "rms"
-    layerscale_form: str
-    layerscale_init: float
-    completep_alpha: float
-    deepnorm_init: str
     embed_init_std: float
-    dyt_alpha_init: tuple[float, float]
-    bhyt_lambda_init: tuple[float, float]
-    bhyt_kappa: float
-    bhyt_seq_len: int  # BHyT's T: the trained context length
+    train_max_length: int  # the trained context length (BHyT's T)
+    settings: dict  # every placement setting by key (resolve_settings), checked
 
 
 # LlamaConfig features this model does not implement, with the values it does: anything else is an error, not
@@ -152,20 +225,16 @@ def layer_plan(config) -> LayerPlan:
     """The per-layer placement and depth implied by the config; validates every value."""
     check_llama_features(config)
     num_layers = config.num_hidden_layers
-    norm_type = _choice(getattr(config, "norm_type", "pre"), NORM_TYPES, "norm_type", NORM_TYPE_ALIASES)
+    norm_type = canonical_norm_type(getattr(config, "norm_type", "pre"))
     init_method = _choice(getattr(config, "init_method", "normal"), INIT_METHODS, "init_method")
-
+    row = PLACEMENTS[norm_type]
     placements = getattr(config, "layer_norm_types", None)
     if placements is None:
-        if norm_type == "post_pre":
-            post_num = getattr(config, "post_num", None)
-            if not isinstance(post_num, int) or isinstance(post_num, bool) or not 0 <= post_num <= num_layers:
-                raise ValueError(f"post_num={post_num!r} is out of range for post_pre; valid: an int in "
-                                 f"[0, {num_layers}]")
-            placements = ["post"] * post_num + ["pre"] * (num_layers - post_num)
-        else:
-            placements = [norm_type] * num_layers
-    placements = [_choice(p, LAYER_PLACEMENTS, "layer placement", NORM_TYPE_ALIASES) for p in placements]
+        placements = row.mix(config) if row.mix is not None else [norm_type] * num_layers
+    placements = [_choice(p, layer_placements(), "layer placement", NORM_TYPE_ALIASES) for p in placements]
+    if row.stream is not None and set(placements) != {norm_type}:
+        raise ValueError(f"norm_type {norm_type} changes the residual stream itself: every layer must be "
+                         f"{norm_type}, got {sorted(set(placements))}")
 
     depths = list(getattr(config, "layer_depths", None) or range(1, num_layers + 1))
     depth_scaling_num_layers = getattr(config, "depth_scaling_num_layers", None) or num_layers
@@ -174,28 +243,20 @@ def layer_plan(config) -> LayerPlan:
             f"layer_norm_types ({len(placements)}) and layer_depths ({len(depths)}) must both have "
             f"num_hidden_layers={num_layers} entries"
         )
-    layerscale_form = _choice(getattr(config, "layerscale_form", None) or DEFAULT_LAYERSCALE_FORM, LAYERSCALE_FORMS,
-                              "layerscale_form")
-    dyt_alpha_init = tuple(getattr(config, "dyt_alpha_init", None) or DEFAULT_DYT_ALPHA_INIT)
-    if len(dyt_alpha_init) != 2 or not all(isinstance(a, (int, float)) and a > 0 for a in dyt_alpha_init):
-        raise ValueError(f"dyt_alpha_init={dyt_alpha_init!r} must be two positive numbers (attention, other)")
-    bhyt_lambda_init = tuple(getattr(config, "bhyt_lambda_init", None) or DEFAULT_BHYT_LAMBDA_INIT)
-    if len(bhyt_lambda_init) != 2 or not all(isinstance(a, (int, float)) and a > 0 for a in bhyt_lambda_init):
-        raise ValueError(f"bhyt_lambda_init={bhyt_lambda_init!r} must be two positive numbers (attention, MLP)")
     return LayerPlan(
-        placements, depths, depth_scaling_num_layers, init_method,
-        final_norm=PLACEMENTS[norm_type].final_norm if norm_type in PLACEMENTS else "rms",
-        layerscale_form=layerscale_form,
-        layerscale_init=_number(config, "layerscale_init", DEFAULT_LAYERSCALE_INIT[layerscale_form]),
-        completep_alpha=_number(config, "completep_alpha", DEFAULT_COMPLETEP_ALPHA, minimum=0.0),
-        deepnorm_init=_choice(getattr(config, "deepnorm_init", None) or DEFAULT_DEEPNORM_INIT, DEEPNORM_INITS,
-                              "deepnorm_init"),
+        placements, depths, depth_scaling_num_layers, init_method, final_norm=row.final_norm,
         embed_init_std=_number(config, "embed_init_std", config.initializer_range, minimum=0.0),
-        dyt_alpha_init=(float(dyt_alpha_init[0]), float(dyt_alpha_init[1])),
-        bhyt_lambda_init=(float(bhyt_lambda_init[0]), float(bhyt_lambda_init[1])),
-        bhyt_kappa=_number(config, "bhyt_kappa", DEFAULT_BHYT_KAPPA, minimum=1e-6),
-        bhyt_seq_len=int(getattr(config, "train_max_length", None) or config.max_position_embeddings),
+        train_max_length=int(getattr(config, "train_max_length", None) or config.max_position_embeddings),
+        settings=resolve_settings(config),
     )
+
+
+def mix_ln_layers(config) -> list[str]:
+    """Mix-LN: layers with 0-based index < post_num are Post-LN, the rest Pre-LN."""
+    num_layers, post_num = config.num_hidden_layers, getattr(config, "post_num", None)
+    if not isinstance(post_num, int) or isinstance(post_num, bool) or not 0 <= post_num <= num_layers:
+        raise ValueError(f"post_num={post_num!r} is out of range for post_pre; valid: an int in [0, {num_layers}]")
+    return ["post"] * post_num + ["pre"] * (num_layers - post_num)
 
 
 def freeze_layer_plan(config):
@@ -620,6 +681,188 @@ class BHyTApproximated(BHyT):
             return (attention.o_proj.weight.detach().float() @ w_v).pow(2).sum()
 
 
+class ResidualSum(nn.Module):
+    """The residual stream of every placement but AttnRes and mHC: one tensor, the running sum the layers add to.
+    A stream module's `begin` turns the embedding into the stream, `layer_output` is what output_hidden_states
+    (and so every analysis tool) reads as a layer's output, and `end` is what the final norm gets."""
+
+    def begin(self, x):
+        return x
+
+    def layer_output(self, stream):
+        return stream
+
+    def end(self, stream):
+        return stream
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Residual streams that are not a running sum: Attention Residuals and mHC
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def depth_attention(query: torch.Tensor, sources, eps: float) -> torch.Tensor:
+    """AttnRes's aggregation: sum_j softmax_j(q . rms(v_j)) v_j over the sources v_j (each batch x tokens x d).
+    The keys are RMS-normalised without a gain: a gain g would only reparametrise q (q . (g * k) = (q * g) . k)."""
+    values = torch.stack(tuple(sources), dim=-2)
+    keys = F.rms_norm(values.float(), (values.shape[-1],), eps=eps)
+    weights = torch.softmax(keys @ query.float(), dim=-1)  # over the sources, in fp32
+    return (weights.to(values.dtype).unsqueeze(-1) * values).sum(-2)
+
+
+class DepthAttentionResidual(nn.Module):
+    """Block Attention Residuals (Moonshot AI 2026), one sublayer: its input is depth_attention over the embedding,
+    the completed blocks' sums and the current block's partial sum, with this sublayer's pseudo-query; its output
+    F(N(input)) is added to the partial sum of its block. The stream is (completed sources, partial sum, the partial
+    sum's block): a block closes when a sublayer of the next block arrives, so a removed layer only takes its own
+    outputs out of its block's sum."""
+
+    def __init__(self, hidden_size: int, block: int, eps: float):
+        super().__init__()
+        self.block, self.eps = block, eps
+        self.query = nn.Parameter(torch.zeros(hidden_size))  # zero: uniform weights over the sources at the start
+
+    def reset_parameters(self):
+        init.zeros_(self.query)
+
+    def forward(self, stream, sublayer, norm):
+        sources, partial, partial_block = stream
+        if partial is not None and partial_block != self.block:
+            sources, partial = (*sources, partial), None
+        inputs = sources if partial is None else (*sources, partial)
+        output = sublayer(norm(depth_attention(self.query, inputs, self.eps)))
+        return sources, output if partial is None else partial + output, self.block
+
+
+class AttentionResidualStream(nn.Module):
+    """AttnRes's stream: starts as the embedding alone; what the final norm gets, and what a layer's output is for
+    output_hidden_states, is depth_attention over every source with the model's own output pseudo-query (the stream
+    the final norm would read if the model stopped after that layer)."""
+
+    def __init__(self, config, plan: LayerPlan):
+        super().__init__()
+        self.eps = config.rms_norm_eps
+        self.query = nn.Parameter(torch.zeros(config.hidden_size))
+
+    def reset_parameters(self):
+        init.zeros_(self.query)
+
+    def begin(self, x):
+        return (x,), None, None
+
+    def end(self, stream):
+        sources, partial, _ = stream
+        return depth_attention(self.query, sources if partial is None else (*sources, partial), self.eps)
+
+    def layer_output(self, stream):
+        return self.end(stream)
+
+
+def attnres_block(layer: LayerContext, side: int) -> int:
+    """The block of a sublayer (side 0 attention, 1 MLP) from its trained depth and the trained L: 2L sublayers in
+    `attnres_blocks` blocks of ceil(2L / blocks) consecutive sublayers (kept after a layer is removed)."""
+    sublayers = 2 * layer.plan.depth_scaling_num_layers
+    size = math.ceil(sublayers / int(layer.plan.settings["attnres_blocks"]))
+    return (2 * (layer.depth - 1) + side) // size
+
+
+def attnres_residuals(layer: LayerContext):
+    return tuple(DepthAttentionResidual(layer.config.hidden_size, attnres_block(layer, side), layer.config.rms_norm_eps)
+                 for side in (0, 1))
+
+
+def sinkhorn(logits: torch.Tensor, iterations: int) -> torch.Tensor:
+    """exp(logits) scaled towards a doubly stochastic matrix (last two dims) by Sinkhorn-Knopp in the log domain, in
+    fp32: each iteration normalises the columns, then the rows. Ending on the rows makes every row sum to 1 to
+    rounding (so n equal copies stay equal: a mix of them is the same vector); the columns sum to 1 within what the
+    iterations have converged to."""
+    log_p = logits.float()
+    for _ in range(iterations):
+        log_p = log_p - log_p.logsumexp(-2, keepdim=True)
+        log_p = log_p - log_p.logsumexp(-1, keepdim=True)
+    return log_p.exp()
+
+
+MHC_ALPHA_INIT = 0.01  # the dynamic maps' gating factors start small: the maps start as their static parts
+MHC_PRE_OWN, MHC_PRE_OTHER = 1.0, -1.0  # pre's static logits: each sublayer leans on one copy, so the copies differ
+MHC_RES_OFF_DIAGONAL = -4.0  # res's static logits: near the identity (0.95 on the diagonal at n = 4)
+
+
+class ManifoldHyperConnection(nn.Module):
+    """mHC (DeepSeek 2026), one sublayer on the n copies X (batch x tokens x n x d):
+    X' = H_res X + H_post^T F(N(H_pre X)). From x = rms(vec(X)) (no gain: phi would absorb it),
+    H_pre = sigmoid(a_pre * x phi_pre + b_pre), H_post = 2 sigmoid(a_post * x phi_post + b_post) and
+    H_res = Sinkhorn(a_res * mat(x phi_res) + b_res): dynamic parts (phi, zero at the start, and the scalars a)
+    plus static biases b. With phi = 0 and equal copies the layer is Pre-LN's x + F(N(x)) on each copy (N absorbs
+    the scale of H_pre X; H_res's rows sum to 1; H_post = 1)."""
+
+    def __init__(self, hidden_size: int, streams: int, iterations: int, own_stream: int, eps: float):
+        super().__init__()
+        self.streams, self.iterations, self.own_stream, self.eps = streams, iterations, own_stream, eps
+        n = streams
+        self.phi = nn.Parameter(torch.zeros(2 * n + n * n, n * hidden_size))  # rows: pre, post, res
+        self.alpha = nn.Parameter(torch.full((3,), MHC_ALPHA_INIT))  # pre, post, res
+        self.pre_bias = nn.Parameter(self.pre_bias_init())
+        self.post_bias = nn.Parameter(torch.zeros(n))
+        self.res_bias = nn.Parameter(self.res_bias_init())
+
+    def pre_bias_init(self) -> torch.Tensor:
+        bias = torch.full((self.streams,), MHC_PRE_OTHER)
+        bias[self.own_stream] = MHC_PRE_OWN
+        return bias
+
+    def res_bias_init(self) -> torch.Tensor:
+        return torch.full((self.streams, self.streams), MHC_RES_OFF_DIAGONAL).fill_diagonal_(0.0)
+
+    def reset_parameters(self):
+        init.zeros_(self.phi)
+        init.constant_(self.alpha, MHC_ALPHA_INIT)
+        init.copy_(self.pre_bias, self.pre_bias_init())
+        init.zeros_(self.post_bias)
+        init.copy_(self.res_bias, self.res_bias_init())
+
+    def maps(self, stream: torch.Tensor):
+        """(H_pre, H_post, H_res) per token: (..., n), (..., n), (..., n, n), in fp32."""
+        n = self.streams
+        flat = stream.flatten(-2).float()
+        dynamic = F.rms_norm(flat, (flat.shape[-1],), eps=self.eps) @ self.phi.float().T
+        pre, post, res = dynamic.split([n, n, n * n], dim=-1)
+        h_pre = torch.sigmoid(self.alpha[0] * pre + self.pre_bias)
+        h_post = 2 * torch.sigmoid(self.alpha[1] * post + self.post_bias)
+        h_res = sinkhorn(self.alpha[2] * res.unflatten(-1, (n, n)) + self.res_bias, self.iterations)
+        return h_pre, h_post, h_res
+
+    def forward(self, stream, sublayer, norm):
+        h_pre, h_post, h_res = (h.to(stream.dtype) for h in self.maps(stream))
+        output = sublayer(norm((h_pre.unsqueeze(-1) * stream).sum(-2)))
+        return h_res @ stream + h_post.unsqueeze(-1) * output.unsqueeze(-2)
+
+
+class HyperConnectionStream(nn.Module):
+    """mHC's stream: n copies of the embedding; a layer's output (output_hidden_states) and the final norm's input
+    are the mean of the copies."""
+
+    def __init__(self, config, plan: LayerPlan):
+        super().__init__()
+        self.streams = int(plan.settings["mhc_streams"])
+
+    def begin(self, x):
+        return x.unsqueeze(-2).expand(*x.shape[:-1], self.streams, x.shape[-1])
+
+    def end(self, stream):
+        return stream.mean(-2)
+
+    def layer_output(self, stream):
+        return self.end(stream)
+
+
+def mhc_residuals(layer: LayerContext):
+    streams, iterations = int(layer.plan.settings["mhc_streams"]), int(layer.plan.settings["mhc_sinkhorn_iterations"])
+    return tuple(ManifoldHyperConnection(layer.config.hidden_size, streams, iterations,
+                                         (2 * (layer.depth - 1) + side) % streams, layer.config.rms_norm_eps)
+                 for side in (0, 1))
+
+
 def rms_norm(config) -> RMSNorm:
     return RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -644,15 +887,15 @@ def rms_block_norms(layer: LayerContext) -> tuple[nn.Module, nn.Module]:
 
 
 def dyt_block_norms(layer: LayerContext):
-    attn_alpha, other_alpha = layer.plan.dyt_alpha_init
+    attn_alpha, other_alpha = layer.plan.settings["dyt_alpha_init"]
     return DyT(layer.config.hidden_size, attn_alpha), DyT(layer.config.hidden_size, other_alpha)
 
 
 def bhyt_block_norms(layer: LayerContext):
-    (attn_lambda, mlp_lambda), kappa = layer.plan.bhyt_lambda_init, layer.plan.bhyt_kappa
+    (attn_lambda, mlp_lambda), kappa = layer.plan.settings["bhyt_lambda_init"], layer.plan.settings["bhyt_kappa"]
     before_attention = BHyT(layer.config.hidden_size, attn_lambda, kappa)
     before_mlp = BHyTApproximated(layer.config.hidden_size, mlp_lambda, kappa, before_attention, layer.attention,
-                                  layer.plan.bhyt_seq_len)
+                                  layer.plan.train_max_length)
     return before_attention, before_mlp
 
 
@@ -674,15 +917,15 @@ def gpas_around(inner: Callable[[LayerContext], nn.Module]):
 
 
 def layerscale_gate(layer: LayerContext) -> GatedPreNorm:
-    size = layer.config.hidden_size if layer.plan.layerscale_form == "channel" else 1
-    return GatedPreNorm(size, layer.plan.layerscale_init)
+    size = layer.config.hidden_size if layer.plan.settings["layerscale_form"] == "channel" else 1
+    return GatedPreNorm(size, layer.plan.settings["layerscale_init"])
 
 
 def deepnorm_branch_init(decoder_layer: DecoderLayer, plan: LayerPlan):
     """Tags the value, output and MLP projections (and under the reference init q and k) for `_init_weights`."""
     attention, mlp = decoder_layer.self_attn, decoder_layer.mlp
     value_output_mlp = (attention.v_proj, attention.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    if plan.deepnorm_init == "deepnet":  # DeepNet: value, output and FFN projections get beta = (8L)^(-1/4)
+    if plan.settings["deepnorm_init"] == "deepnet":  # DeepNet: value, output and FFN projections get beta = (8L)^(-1/4)
         _scale_init_std(value_output_mlp, (8 * plan.depth_scaling_num_layers) ** -0.25)
     else:  # the reference code: Xavier-normal, gain (8L)^(+1/4) on v, o and the MLP, gain 1 on q and k
         for linear in value_output_mlp:
@@ -693,19 +936,44 @@ def deepnorm_branch_init(decoder_layer: DecoderLayer, plan: LayerPlan):
 
 @dataclass(frozen=True)
 class Placement:
-    """One row of PLACEMENTS: the modules a decoder layer of this placement is built from."""
-    residuals: Callable[[LayerContext], tuple[nn.Module, nn.Module]]  # (attn_residual, mlp_residual)
+    """One row of PLACEMENTS: the label the studies print, the modules a decoder layer of this placement is built
+    from, its settings (each a config key and a trainer flag) and whether it exports to stock Llama. A row whose
+    `mix` is set builds no layer itself: it names another row for each layer (Mix-LN)."""
+    label: str
+    residuals: Callable[[LayerContext], tuple[nn.Module, nn.Module]] | None  # (attn_residual, mlp_residual)
     block_norms: Callable[[LayerContext], tuple[nn.Module, nn.Module]] = rms_block_norms
     qkv_norm: bool = False  # an RMSNorm on each head's q, k and v inside attention
     final_norm: str = "rms"  # the model's last norm ("rms" or "dyt") when norm_type names this row
     branch_init: Callable[[DecoderLayer, LayerPlan], None] | None = None  # tags linears whose init is not the usual
     exports_to_stock_llama: bool = False  # llama_export.py folds its residuals' stock_llama_factors into the weights
+    settings: tuple[Setting, ...] = ()
+    mix: Callable[[LlamaConfig], list[str]] | None = None  # the row of each layer, for a row that mixes rows
+    # The residual stream when it is not the running sum x (ResidualSum): a module of the backbone that starts it
+    # from the embedding, reads "a layer's output" from it (output_hidden_states) and ends it into the final norm.
+    stream: Callable[[LlamaConfig, LayerPlan], nn.Module] | None = None
 
+
+DEEPNORM_INIT = Setting("deepnorm_init", "deepnorm: deepnet (std * (8L)^-1/4) or reference (the authors' Xavier "
+                        "gains)", DEFAULT_DEEPNORM_INIT, choices=DEEPNORM_INITS)
+LAYERSCALE_FORM = Setting("layerscale_form", "layerscale: one gain per channel or one scalar per sublayer",
+                          DEFAULT_LAYERSCALE_FORM, choices=LAYERSCALE_FORMS)
+LAYERSCALE_INIT = Setting("layerscale_init", "initial LayerScale gain (default: " + ", ".join(
+    f"{v} for {k}" for k, v in DEFAULT_LAYERSCALE_INIT.items()) + ")",
+    lambda resolved: DEFAULT_LAYERSCALE_INIT[resolved["layerscale_form"]], depends_on="layerscale_form")
+DYT_ALPHA_INIT = Setting("dyt_alpha_init", "dyt: alpha0 before attention, and before the MLP and at the final norm",
+                         list(DEFAULT_DYT_ALPHA_INIT), positive=True, count=2)
+COMPLETEP_ALPHA = Setting("completep_alpha", "completep: branches are multiplied by L^-alpha (0.5 is depth-muP)",
+                          DEFAULT_COMPLETEP_ALPHA, minimum=0.0)
+BHYT_LAMBDA_INIT = Setting("bhyt_lambda_init", "bhyt: lambda0 before attention and before the MLP",
+                           list(DEFAULT_BHYT_LAMBDA_INIT), positive=True, count=2)
+BHYT_KAPPA = Setting("bhyt_kappa", "bhyt: kappa, the tanh input has RMS lambda/kappa", DEFAULT_BHYT_KAPPA,
+                     minimum=1e-6)
 
 #   x ──► attn_residual(x, Attn, input_layernorm) ──► h ──► mlp_residual(h, MLP, post_attention_layernorm) ──► out
 #
 #   pre         h = x + Attn(N1(x))                     out = h + MLP(N2(h))
 #   post        h = N1(x + Attn(x))                     out = N2(h + MLP(h))
+#   post_pre    post for the first post_num layers, pre after (Mix-LN)
 #   lns         h = x + Attn(N1(x) / sqrt(l))           out = h + MLP(N2(h) / sqrt(l))
 #   deepnorm    h = N1(alpha * x + Attn(x))             out = N2(alpha * h + MLP(h))
 #   layerscale  h = x + g1 * Attn(N1(x))                out = h + g2 * MLP(N2(h))      g per channel or scalar
@@ -719,31 +987,53 @@ class Placement:
 #   lns_gpas    h = G(x + Attn(N1(x) / sqrt(l)))        out = G(h + MLP(N2(h) / sqrt(l)))
 #   bhyt        as pre, N(y) = w * tanh(lam * y / (kappa * s)); s = rms(x) in N1, in N2 rms(x) with Attn's share
 #   hybridnorm  h = x + Attn_qkvnorm(x)                 out = N2(h) + MLP(N2(h))
+#   attnres     each sublayer: y = F(N(sum_j softmax_j(q . rms(b_j)) b_j)) over the embedding and the block sums b_j
+#   mhc         X (n copies): X' = H_res X + H_post^T F(N(H_pre X)), H_res doubly stochastic (Sinkhorn)
+ATTNRES_BLOCKS = Setting("attnres_blocks", "attnres: the 2L sublayers are cut into this many blocks of consecutive "
+                         "sublayers (Block AttnRes); 2L or more is Full AttnRes", 8, minimum=1, integer=True)
+MHC_STREAMS = Setting("mhc_streams", "mhc: copies n of the residual stream", 4, minimum=1, integer=True)
+MHC_SINKHORN_ITERATIONS = Setting("mhc_sinkhorn_iterations", "mhc: Sinkhorn-Knopp iterations (columns then rows)",
+                                  20, minimum=1, integer=True)
 PLACEMENTS = {
-    "pre": Placement(each_sublayer(lambda layer: PreNorm()), exports_to_stock_llama=True),
-    "post": Placement(each_sublayer(lambda layer: PostNorm())),
-    "lns": Placement(each_sublayer(lambda layer: ScaledPreNorm(layer.depth)), exports_to_stock_llama=True),
-    "deepnorm": Placement(each_sublayer(lambda layer: DeepNormResidual(layer.plan.depth_scaling_num_layers)),
-                          branch_init=deepnorm_branch_init),
-    "layerscale": Placement(each_sublayer(layerscale_gate), exports_to_stock_llama=True),
-    "skipinit": Placement(each_sublayer(lambda layer: GatedPreNorm(1, 0.0)), exports_to_stock_llama=True),
-    "peri": Placement(each_sublayer(lambda layer: PeriNorm(rms_norm(layer.config)))),
-    "peri_lns": Placement(each_sublayer(lambda layer: PeriNorm(rms_norm(layer.config), 1.0 / math.sqrt(layer.depth)))),
-    "reordered": Placement(each_sublayer(lambda layer: OutputNorm())),
-    "dyt": Placement(each_sublayer(lambda layer: PreNorm()), block_norms=dyt_block_norms, final_norm="dyt"),
-    "completep": Placement(each_sublayer(lambda layer: DepthScaledBranch(layer.plan.depth_scaling_num_layers,
-                                                                         layer.plan.completep_alpha)),
-                           exports_to_stock_llama=True),
-    "gpas": Placement(gpas_around(lambda layer: PreNorm())),
-    "lns_gpas": Placement(gpas_around(lambda layer: ScaledPreNorm(layer.depth))),
-    "bhyt": Placement(each_sublayer(lambda layer: PreNorm()), block_norms=bhyt_block_norms),
-    "hybridnorm": Placement(lambda layer: (PreNorm(), NormedStreamResidual()), block_norms=hybridnorm_block_norms,
-                            qkv_norm=True),
+    "pre": Placement("Pre-LN", each_sublayer(lambda layer: PreNorm()), exports_to_stock_llama=True),
+    "post": Placement("Post-LN", each_sublayer(lambda layer: PostNorm())),
+    "post_pre": Placement("Mix-LN", None, mix=mix_ln_layers),
+    "lns": Placement("LNS", each_sublayer(lambda layer: ScaledPreNorm(layer.depth)), exports_to_stock_llama=True),
+    "deepnorm": Placement("DeepNorm", each_sublayer(lambda layer: DeepNormResidual(
+        layer.plan.depth_scaling_num_layers)), branch_init=deepnorm_branch_init, settings=(DEEPNORM_INIT,)),
+    "layerscale": Placement("LayerScale", each_sublayer(layerscale_gate), exports_to_stock_llama=True,
+                            settings=(LAYERSCALE_FORM, LAYERSCALE_INIT)),
+    "skipinit": Placement("SkipInit", each_sublayer(lambda layer: GatedPreNorm(1, 0.0)), exports_to_stock_llama=True),
+    "peri": Placement("Peri-LN", each_sublayer(lambda layer: PeriNorm(rms_norm(layer.config)))),
+    "peri_lns": Placement("Peri-LN + LNS", each_sublayer(lambda layer: PeriNorm(rms_norm(layer.config),
+                                                                                  1.0 / math.sqrt(layer.depth)))),
+    "reordered": Placement("Output norm (OLMo 2)", each_sublayer(lambda layer: OutputNorm())),
+    "dyt": Placement("DyT", each_sublayer(lambda layer: PreNorm()), block_norms=dyt_block_norms, final_norm="dyt",
+                     settings=(DYT_ALPHA_INIT,)),
+    "completep": Placement("CompleteP", each_sublayer(lambda layer: DepthScaledBranch(
+        layer.plan.depth_scaling_num_layers, layer.plan.settings["completep_alpha"])), exports_to_stock_llama=True,
+        settings=(COMPLETEP_ALPHA,)),
+    "gpas": Placement("GPAS", gpas_around(lambda layer: PreNorm())),
+    "lns_gpas": Placement("LNS + GPAS", gpas_around(lambda layer: ScaledPreNorm(layer.depth))),
+    "bhyt": Placement("BHyT", each_sublayer(lambda layer: PreNorm()), block_norms=bhyt_block_norms,
+                      settings=(BHYT_LAMBDA_INIT, BHYT_KAPPA)),
+    "hybridnorm": Placement("HybridNorm", lambda layer: (PreNorm(), NormedStreamResidual()),
+                            block_norms=hybridnorm_block_norms, qkv_norm=True),
+    # Attention Residuals, Block AttnRes (Moonshot AI, arXiv 2603.15031): each sublayer (attention and MLP are
+    # separate sources) reads a softmax over depth of the embedding and the blocks' sums, with a pseudo-query of its
+    # own (zero: uniform weights at the start) on RMS-normalised keys; the block norm N stays before the sublayer
+    # (x_in = N(AttnRes(...))); the final norm reads the same aggregation with the model's output query.
+    "attnres": Placement("AttnRes", attnres_residuals, stream=AttentionResidualStream, settings=(ATTNRES_BLOCKS,)),
+    # mHC (DeepSeek, arXiv 2512.24880): n copies of the stream, mixed by a Sinkhorn-projected H_res, with pre and
+    # post maps around each sublayer, dynamic plus static (ManifoldHyperConnection); the copies' mean is the output.
+    "mhc": Placement("mHC", mhc_residuals, stream=HyperConnectionStream,
+                     settings=(MHC_STREAMS, MHC_SINKHORN_ITERATIONS)),
 }
-LAYER_PLACEMENTS = tuple(PLACEMENTS)
-# post_pre (Mix-LN) is no row: it gives each layer post's or pre's (post_num). Listed after post, as it always was.
-NORM_TYPES = (*LAYER_PLACEMENTS[:2], "post_pre", *LAYER_PLACEMENTS[2:])
-NORM_TYPE_CHOICES = NORM_TYPES + tuple(NORM_TYPE_ALIASES)
+# The rows as they ship, for tests and tools that list them once; code that must see a row added later (a test's
+# toy row) calls norm_types(), norm_type_choices() and layer_placements().
+NORM_TYPES = norm_types()
+NORM_TYPE_CHOICES = norm_type_choices()
+LAYER_PLACEMENTS = layer_placements()
 
 
 class DecoderLayer(nn.Module):
@@ -824,7 +1114,11 @@ class LlamaModel(LlamaPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, frozen_pad_id(config))
         self.layers = nn.ModuleList(DecoderLayer(config, i, plan) for i in range(config.num_hidden_layers))
         # Applied after every variant, Post-LN included (as in the reference): it keeps one parameter layout for all.
-        self.norm = DyT(config.hidden_size, plan.dyt_alpha_init[1]) if plan.final_norm == "dyt" else rms_norm(config)
+        self.norm = (DyT(config.hidden_size, plan.settings["dyt_alpha_init"][1]) if plan.final_norm == "dyt"
+                     else rms_norm(config))
+        stream = PLACEMENTS[canonical_norm_type(getattr(config, "norm_type", "pre"))].stream
+        # The running sum has no parameters, so a model of every other placement keeps stock Llama's state dict.
+        self.residual_stream = ResidualSum() if stream is None else stream(config, plan)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(head_dim, _rope_theta(config), config.max_position_embeddings)
         self.gradient_checkpointing = False
@@ -835,15 +1129,16 @@ class LlamaModel(LlamaPreTrainedModel):
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb(input_ids.shape[1], x.dtype)
         mask = _attention_mask(attention_mask, input_ids.shape[1], x.device)
-        hidden_states = [x] if output_hidden_states else None
+        stream = self.residual_stream.begin(x)
+        hidden_states = [self.residual_stream.layer_output(stream)] if output_hidden_states else None
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:
-                x = torch.utils.checkpoint.checkpoint(layer, x, rope, mask, use_reentrant=False)
+                stream = torch.utils.checkpoint.checkpoint(layer, stream, rope, mask, use_reentrant=False)
             else:
-                x = layer(x, rope, mask)
+                stream = layer(stream, rope, mask)
             if output_hidden_states:
-                hidden_states.append(x)
-        x = self.norm(x)
+                hidden_states.append(self.residual_stream.layer_output(stream))
+        x = self.norm(self.residual_stream.end(stream))
         if output_hidden_states:
             hidden_states[-1] = x  # HF convention: the last entry is the final-normed output
         return x, (tuple(hidden_states) if output_hidden_states else None)

@@ -29,6 +29,7 @@ bench/                  benchmarks (docs/benchmarks.md), each figure quoted with
     benchmark_gpu       the update step on one CUDA GPU: tokens/s, MFU, peak memory
     benchmark_dataloader  loader tokens/s against training tokens/s
     benchmark_angular   the angular analysis's speed on a 135M-shaped model
+    benchmark_placements  each placement's cost against Pre-LN: parameters, activation memory, step time (CPU)
 
 gpu/                    the GPU scripts (docs/gpu.md), each rehearsed on the CPU:
     gpu_recipe.sh       the paper's GPU recipes, sourced by run_130m.sh ... run_1b.sh

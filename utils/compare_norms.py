@@ -10,6 +10,7 @@
     python utils/compare_norms.py --budget long_rivals --arms pre lns skipinit layerscale
                                                        # chosen rivals at 5x the steps, beside the long Pre-LN and
                                                        #   LNS records (all 48 new runs: about 9 hours on 2 cores)
+    python utils/compare_norms.py --budget rivals_2026 # + AttnRes and mHC (issue 67), beside the rivals' records
     python utils/compare_norms.py --quick              # smoke test (CI), a few minutes
     python utils/compare_norms.py --report_only        # rewrite the report from the saved records
     python utils/compare_norms.py --plan               # the runs left and their disk, as JSON; trains nothing
@@ -32,6 +33,7 @@ import time
 from pathlib import Path
 
 from peft_pretraining.cli import OneLineErrorParser
+from peft_pretraining.modeling_llama import PLACEMENTS
 from utils.study import cli, measures, plots, report, runs, verdicts
 from utils.study.claims import CORE_CLAIMS, effect_text, loss_verdict, pair_verdicts, verdict_lines
 from utils.study.measures import by_seed
@@ -61,40 +63,51 @@ def study_dtype_reason(dtype: str) -> str:
             "warm-up). On a CPU with bf16 instructions --dtype mixed is faster (docs/study.md).")
 
 
+def placement_arm(name: str, group: str, norm_type: str | None = None, detail: str = "", flags: tuple[str, ...] = (),
+                  label: str | None = None, dtype: str = "float32") -> Arm:
+    """An arm training the row `norm_type` of PLACEMENTS (default: the arm's name), labelled as the row is, plus
+    `detail` (its settings), unless `label` names the arm otherwise."""
+    norm_type = norm_type or name
+    return Arm(name, label or PLACEMENTS[norm_type].label + detail, ("--norm_type", norm_type, *flags), group, dtype)
+
+
 REFERENCE_EMBED_STD = math.sqrt(2 / 5)  # the uploaded reference code's embedding init (5d4dd11)
+EMBED_REF = ("--embed_init_std", f"{REFERENCE_EMBED_STD:.6f}")
 ARMS = [
-    Arm("pre", "Pre-LN", ("--norm_type", "pre"), "core"),
-    Arm("lns", "LNS", ("--norm_type", "lns"), "core"),
-    Arm("pre_bf16", "Pre-LN, pure bf16", ("--norm_type", "pre"), "precision", dtype="bfloat16"),
-    Arm("lns_bf16", "LNS, pure bf16", ("--norm_type", "lns"), "precision", dtype="bfloat16"),
-    Arm("post", "Post-LN", ("--norm_type", "post"), "norms"),
-    Arm("post_pre", "Mix-LN", ("--norm_type", "post_pre"), "norms"),  # --post_num added from the depth
-    Arm("deepnorm", "DeepNorm", ("--norm_type", "deepnorm"), "norms"),
-    Arm("layerscale", "LayerScale (per channel, 0.1)", ("--norm_type", "layerscale"), "rivals"),
-    Arm("layerscale_scalar", "LayerScale (scalar, 1e-3)", ("--norm_type", "layerscale", "--layerscale_form", "scalar"),
-        "rivals"),
-    Arm("skipinit", "SkipInit", ("--norm_type", "skipinit"), "rivals"),
-    Arm("scaled_init", "Scaled init", ("--norm_type", "pre", "--init_method", "scaled"), "rivals"),
-    Arm("depth_scaled_init", "Depth-scaled init", ("--norm_type", "pre", "--init_method", "depth_scaled"), "rivals"),
-    Arm("lns_scaled_init", "LNS + scaled init", ("--norm_type", "lns", "--init_method", "scaled"), "rivals"),
-    Arm("peri", "Peri-LN", ("--norm_type", "peri"), "rivals"),
-    Arm("peri_lns", "Peri-LN + LNS", ("--norm_type", "peri_lns"), "rivals"),
-    Arm("reordered", "Output norm (OLMo 2)", ("--norm_type", "reordered"), "rivals"),
-    Arm("dyt", "DyT", ("--norm_type", "dyt"), "rivals"),
-    Arm("completep", "CompleteP (alpha = 1)", ("--norm_type", "completep"), "rivals"),
-    Arm("pre_embed_ref", "Pre-LN, embed std 0.632", ("--norm_type", "pre", "--embed_init_std",
-                                                     f"{REFERENCE_EMBED_STD:.6f}"), "rivals"),
-    Arm("lns_embed_ref", "LNS, embed std 0.632", ("--norm_type", "lns", "--embed_init_std",
-                                                  f"{REFERENCE_EMBED_STD:.6f}"), "rivals"),
+    placement_arm("pre", "core"),
+    placement_arm("lns", "core"),
+    placement_arm("pre_bf16", "precision", "pre", ", pure bf16", dtype="bfloat16"),
+    placement_arm("lns_bf16", "precision", "lns", ", pure bf16", dtype="bfloat16"),
+    placement_arm("post", "norms"),
+    placement_arm("post_pre", "norms"),  # --post_num added from the depth
+    placement_arm("deepnorm", "norms"),
+    placement_arm("layerscale", "rivals", detail=" (per channel, 0.1)"),
+    placement_arm("layerscale_scalar", "rivals", "layerscale", " (scalar, 1e-3)", ("--layerscale_form", "scalar")),
+    placement_arm("skipinit", "rivals"),
+    placement_arm("scaled_init", "rivals", "pre", flags=("--init_method", "scaled"), label="Scaled init"),
+    placement_arm("depth_scaled_init", "rivals", "pre", flags=("--init_method", "depth_scaled"),
+                  label="Depth-scaled init"),
+    placement_arm("lns_scaled_init", "rivals", "lns", " + scaled init", ("--init_method", "scaled")),
+    placement_arm("peri", "rivals"),
+    placement_arm("peri_lns", "rivals"),
+    placement_arm("reordered", "rivals"),
+    placement_arm("dyt", "rivals"),
+    placement_arm("completep", "rivals", detail=" (alpha = 1)"),
+    placement_arm("pre_embed_ref", "rivals", "pre", ", embed std 0.632", EMBED_REF),
+    placement_arm("lns_embed_ref", "rivals", "lns", ", embed std 0.632", EMBED_REF),
     # the fixes published since the paper (issue 39): the long rivals budget and the quick smoke test train them
-    Arm("gpas", "GPAS", ("--norm_type", "gpas"), "recent"),
-    Arm("lns_gpas", "LNS + GPAS", ("--norm_type", "lns_gpas"), "recent"),
-    Arm("bhyt", "BHyT", ("--norm_type", "bhyt"), "recent"),
-    Arm("hybridnorm", "HybridNorm", ("--norm_type", "hybridnorm"), "recent"),
+    placement_arm("gpas", "recent"),
+    placement_arm("lns_gpas", "recent"),
+    placement_arm("bhyt", "recent"),
+    placement_arm("hybridnorm", "recent"),
+    # residual streams that are not a running sum (issue 67): only the *_2026 budgets train them, so that the
+    # committed reports of the other budgets keep their arms
+    placement_arm("attnres", "streams", detail=" (Block, 8 blocks)"),
+    placement_arm("mhc", "streams", detail=" (n = 4)"),
 ]
 ARM_BY_NAME = {arm.name: arm for arm in ARMS}
 SEED_KEYS = {"core": "seeds", "precision": "precision_seeds", "norms": "norms_seeds", "rivals": "seeds",
-             "recent": "recent_seeds"}
+             "recent": "recent_seeds", "streams": "stream_seeds"}
 
 # The budgets. Chosen for statistical power within the time limit, not tuned to the paper (see the report).
 LONG_BUDGET = dict(steps=1500, warmup=75, groups=("core",), out="docs/study_long", runs_dir="runs/study_long")
@@ -114,6 +127,12 @@ BUDGETS = {
     "long_rivals": {**LONG_BUDGET, "groups": ("core", "norms", "rivals", "recent"), "norms_seeds": (1, 2, 3),
                     "recent_seeds": (1, 2, 3),
                     "report_suffix": "_rivals"},
+    # the rivals budgets plus AttnRes and mHC, in their own report (report_rivals_2026.md) beside the same records
+    "rivals_2026": dict(groups=("core", "precision", "norms", "rivals", "streams"), precision_seeds=(1, 2),
+                        norms_seeds=(1, 2, 3), stream_seeds=(1, 2, 3), report_suffix="_rivals_2026"),
+    "long_rivals_2026": {**LONG_BUDGET, "groups": ("core", "norms", "rivals", "recent", "streams"),
+                         "norms_seeds": (1, 2, 3), "recent_seeds": (1, 2, 3), "stream_seeds": (1, 2, 3),
+                         "report_suffix": "_rivals_2026"},
     "quick": dict(model_config="configs/llama_tiny.json", steps=6, warmup=1, batch_size=4, max_length=64,
                   eval_tokens=1_024, seeds=(1, 2), precision_seeds=(1, 2), norms_seeds=(1, 2), dynamics_points=2,
                   groups=("core", "precision", "norms", "recent"), recent_seeds=(1,),
@@ -179,7 +198,8 @@ def run_specs(args, arms: list[Arm]) -> list[RunSpec]:
             str(s["eval_tokens"]), "--grad_clipping", "1.0", "--weight_decay", "0", "--optimizer", "adam", "--workers",
             "0", "--device", args.device)
     specs = []
-    for group in ("core", "precision", "norms", "rivals", "recent"):  # the core first: a partial study answers it first
+    # the core first: a partial study answers it first
+    for group in ("core", "precision", "norms", "rivals", "recent", "streams"):
         group_arms = [a for a in arms if a.group == group]
         for seed in s[SEED_KEYS[group]] if group_arms else ():  # seed-major: the pairs of a seed finish together
             for arm in group_arms:
@@ -194,7 +214,7 @@ def run_specs(args, arms: list[Arm]) -> list[RunSpec]:
 
 GROUP_NAMES = {"core": "the {fp32} Pre-LN and LNS arms", "precision": "the pure-bf16 arms",
                "norms": "Post-LN, Mix-LN and DeepNorm", "rivals": "the rivals",
-               "recent": "GPAS, LNS + GPAS, BHyT and HybridNorm"}
+               "recent": "GPAS, LNS + GPAS, BHyT and HybridNorm", "streams": "AttnRes and mHC"}
 
 
 def seeds_sentence(settings: dict, fp32_label: str) -> str:
@@ -431,7 +451,7 @@ def write_report(args, arms: list[Arm], records: dict, skipped: list[RunSpec], s
         figures["profiles"] = plots.plot_layer_profiles(records, core, out / f"layer_profiles{suffix}.png")
     fp32_label = cli.DTYPE_LABELS[args.dtype]
     sections, all_verdicts = pair_sections(records, present, fp32_label)
-    table_arms = [a for a in arms if a.name in present and a.group in ("core", "norms", "rivals", "recent")]
+    table_arms = [a for a in arms if a.name in present and a.group != "precision"]
     table, per_arm, embedding_init = "", {}, {}
     if "pre" in present:
         png = plot_per_arm(records, table_arms, out / f"per_arm{suffix}.png")

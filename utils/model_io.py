@@ -29,7 +29,11 @@ from torch import nn
 
 from peft_pretraining.dataloader import EMBEDDED_DIR, TOKENIZER_DIR, vocab_size_covering
 from peft_pretraining.model_parts import backbone, decoder_layers, is_our_config
-from peft_pretraining.modeling_llama import NORM_TYPES, LlamaForCausalLM  # also registers our model type
+from peft_pretraining.modeling_llama import (  # also registers our model type
+    LlamaForCausalLM,
+    canonical_norm_type,
+    norm_type_choices,
+)
 
 EMBEDDED_HELDOUT_TEXT = EMBEDDED_DIR / "validation.jsonl.gz"  # the held-out novel, one JSON {"text"} per line
 REPO_TOKENIZER = TOKENIZER_DIR
@@ -84,8 +88,12 @@ def read_local_config(model_path: str | os.PathLike) -> dict | None:
         raise ValueError(f"{config_file}: not valid JSON ({err})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{config_file}: not a JSON object (it holds a {type(config).__name__})")
-    if "norm_type" in config and str(config["norm_type"]).lower() not in NORM_TYPES:
-        raise ValueError(f"{config_file}: unknown norm_type {config['norm_type']!r} (valid: {', '.join(NORM_TYPES)})")
+    if "norm_type" in config:
+        try:
+            canonical_norm_type(config["norm_type"])  # an alias ("cod") is a known name
+        except ValueError:
+            raise ValueError(f"{config_file}: unknown norm_type {config['norm_type']!r} (valid: "
+                             f"{', '.join(norm_type_choices())})") from None
     return config
 
 
@@ -273,11 +281,19 @@ class ResidualStream:
         def record(hidden: torch.Tensor) -> None:
             states.append(hidden[keep].float())
 
+        # Ours whose stream is not one tensor (AttnRes, mHC) say what a layer's output is: the same view that their
+        # output_hidden_states returns (docs/analyses.md).
+        stream_view = getattr(self.backbone, "residual_stream", None)
+
         def before_first_layer(_module, args, kwargs):
-            record(args[0] if args else kwargs["hidden_states"])
+            hidden = args[0] if args else kwargs["hidden_states"]
+            record(stream_view.layer_output(hidden) if stream_view is not None else hidden)
 
         def after_layer(_module, _args, output):
-            record(output[0] if isinstance(output, (tuple, list)) else output)
+            if stream_view is not None:
+                record(stream_view.layer_output(output))
+            else:
+                record(output[0] if isinstance(output, (tuple, list)) else output)
 
         handles = [self.layers[0].register_forward_pre_hook(before_first_layer, with_kwargs=True)]
         handles += [layer.register_forward_hook(after_layer) for layer in self.layers]

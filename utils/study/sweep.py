@@ -9,14 +9,15 @@ from pathlib import Path
 
 import numpy as np
 
+from peft_pretraining.modeling_llama import PLACEMENTS
 from utils.study import verdicts
 from utils.study.measures import GROWTH_MEASURES, MEASURES, by_seed, measures_in
 from utils.study.plots import finish_grid, pyplot, save_figure
 from utils.study.runs import REPO, dataset_flags, peak_lr
 
-NORMS = {"pre": "Pre-LN", "lns": "LNS"}
+NORMS = {name: PLACEMENTS[name].label for name in ("pre", "lns")}
 # Fixes published since the paper (issue 39), trained at a budget's rival_depths only (`--budget rivals`)
-RIVAL_NORMS = {"gpas": "GPAS", "bhyt": "BHyT"}
+RIVAL_NORMS = {name: PLACEMENTS[name].label for name in ("gpas", "bhyt")}
 NORM_LABELS = {**NORMS, **RIVAL_NORMS}
 # Hidden 64 (head dim 16) keeps a 48-layer run near 20 minutes with its analyses on one core; 128 would make every
 # run about four times dearer. Measured per run (train + analyses, two runs side by side; mean of the records in
