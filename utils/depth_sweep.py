@@ -69,7 +69,9 @@ BUDGETS = {
                     probe_norm="lns", probe_seed=1, probe_steps=3000, probe_warmup=300, probe_eval_every=250),
     "deep": dict(depths=(6, 12, 24, 48, 96), report_suffix="_deep"),
     # GPAS and BHyT beside the default's Pre-LN and LNS at L = 24 and 48 (same records folder)
-    "rivals": dict(rival_norms=tuple(RIVAL_NORMS), rival_depths=(24, 48), report_suffix="_rivals"),
+    "rivals": dict(rival_norms=("gpas", "bhyt"), rival_depths=(24, 48), report_suffix="_rivals"),
+    # and AttnRes and mHC beside them (issue 67), in their own report over the same records
+    "rivals_2026": dict(rival_norms=tuple(RIVAL_NORMS), rival_depths=(24, 48), report_suffix="_rivals_2026"),
     "long": dict(steps=1200, warmup=120, out="docs/depth_sweep_long", runs_dir="runs/depth_sweep_long"),
     # Issue 47: the Wikipedia articles (many authors, 28.7M tokens), at most one pass, where depth may pay. The budget
     # stays below the update at which the stream first repeats an article (wikipedia_corpus.SINGLE_PASS_UPDATES);
@@ -81,7 +83,7 @@ BUDGETS = {
     "quick": dict(depths=(2, 4), steps=4, warmup=1, batch_size=4, max_length=64, eval_tokens=512, seeds=(1, 2),
                   dynamics_points=2, stream_tokens=256, jacobian_tokens=2, jacobian_probes=0, removal_documents=2,
                   out="runs/depth_sweep_quick/report", runs_dir="runs/depth_sweep_quick", probe_steps=8,
-                  probe_warmup=1, probe_eval_every=2, rival_norms=tuple(RIVAL_NORMS), rival_depths=(4,)),
+                  probe_warmup=1, probe_eval_every=2, rival_norms=("gpas", "bhyt"), rival_depths=(4,)),
 }
 # The pilot: seed 1 of the Wikipedia sweep (its records are the sweep's), L = 12 and 24 first: does depth pay?
 BUDGETS["wikipedia_pilot"] = dict(BUDGETS["wikipedia"], seeds=(1,), report_suffix="_pilot")
