@@ -7,17 +7,20 @@
 Each model reads the same text (--dataset / --text_file, as the other tools) in windows of its trained context
 length (utils/model_io.resolve_context_length). From those windows:
 
-- one pass of the residual stream (utils/model_io.ResidualStream) over the first --num_tokens tokens feeds
+- one pass of the residual stream (utils/instruments/stream.py) over the first --num_tokens tokens feeds
   the angular distance d(l, 1) and block influence (utils/instruments/angular.py), the variance
   (utils/instruments/variance.py), the residual update ratio ||h_{l+1} - h_l|| / ||h_l|| (each block's update against
   the stream it is added to) and the logit lens (utils/instruments/logit_lens.py): the model's own final norm and LM
   head applied to the stream after every layer, compared with the final layer's next-token distribution
   (KL(final || layer l), top-1 agreement, and each token's prediction depth: the first layer from which its top-1
   token agrees with the final one and stays);
-- the removal cost of each layer (utils/instruments/removal.layer_removed): the rise of the next-token loss, in nats
-  per token, when that layer is removed, over the first --removal_tokens tokens of the same windows;
+- the removal cost of each layer (utils/instruments/removal_loss.py): the rise of the next-token loss, in nats per
+  token, when that layer is removed, over the first --removal_tokens tokens of the same windows;
 - block Jacobians ||J - I||_F / sqrt(d) (utils/instruments/jacobian.py) at --jacobian_tokens positions sampled from the
   first of the same windows.
+
+The variance growth is reported both ways, as the studies do (utils/study/measures.py): variance_growth, the last
+layer's output variance over the stream leaving layer L // 2, and variance_growth_from_first, last over first.
 
 Writes to --out: report.md (settings, a few sentences per model, each naming its threshold, and the panel),
 depth_report.png (a row per measure against relative depth l/L, a line per model), depth_report.json and
