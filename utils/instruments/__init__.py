@@ -13,5 +13,5 @@
 
 Their command lines (utils/angular_analysis.py, variance_analysis.py, jacobian_analysis.py, layer_remove.py) and the
 reports that combine them (utils/depth_report.py, the studies' utils/study/analyse.py) import these; no script imports
-another, and no library module imports a script (tests/test_import_layers.py).
+another, and no library module imports a script (tests/test_cli.py).
 """
