@@ -25,7 +25,7 @@ from utils.instruments.variance import residual_statistics
 from utils.study import analyse
 from utils.study.runs import AnalysisSettings
 
-SETTINGS = measure.MeasureSettings(max_seq_len=32, stream_tokens=160, jacobian_tokens=3, jacobian_probes=0,
+SETTINGS = measure.MeasureSettings(max_seq_len=16, stream_tokens=48, jacobian_tokens=2, jacobian_probes=0,
                                    removal_documents=2, batch_size=2)
 
 
@@ -40,7 +40,7 @@ def perturbed(model, seed: int = 0):
 
 
 def test_each_measure_is_its_instrument_alone(monkeypatch):
-    model, tokenizer = perturbed(tiny_ours("lns", num_layers=3)), repo_tokenizer()
+    model, tokenizer = perturbed(tiny_ours("lns", num_layers=2)), repo_tokenizer()
     monkeypatch.setattr(measure, "heldout_removal_sweep", lambda *args: [])  # lm-eval: the record test below
     measured = measure.measure_model(model, tokenizer, SETTINGS)
 
@@ -50,7 +50,7 @@ def test_each_measure_is_its_instrument_alone(monkeypatch):
         return model_io.token_batches(tokenizer, source, SETTINGS.max_seq_len, SETTINGS.stream_tokens, 2)
 
     statistics, num_tokens = residual_statistics(model, batches())
-    lens = LogitLensAccumulator.of_model(model, 3)
+    lens = LogitLensAccumulator.of_model(model, 2)
     angular = accumulate(model, batches(), also=[lens])
     assert measured["num_tokens"] == num_tokens == angular.num_tokens == SETTINGS.stream_tokens
     np.testing.assert_array_equal(measured["variance"], statistics["variance"])
@@ -58,10 +58,10 @@ def test_each_measure_is_its_instrument_alone(monkeypatch):
     np.testing.assert_array_equal(measured["angular"], angular.matrix())
     np.testing.assert_array_equal(measured["block_influence"], angular.block_influence())
     assert {key: measured[key] for key in lens.result()} == lens.result()
-    assert len(measured["update_ratio"]) == 3
+    assert len(measured["update_ratio"]) == 2
     windows = model_io.token_windows(tokenizer, model_io.iter_documents(source), SETTINGS.max_seq_len, sys.maxsize)
-    jacobian = measure_jacobians(model, sample_tokens(windows, 3), probes=0, heatmap=False)
-    assert measured["jacobian"] == jacobian.rows and measured["jacobian_tokens"] == 3
+    jacobian = measure_jacobians(model, sample_tokens(windows, 2), probes=0, heatmap=False)
+    assert measured["jacobian"] == jacobian.rows and measured["jacobian_tokens"] == 2
     assert measured["norm_gains"] == norm_gains(model.state_dict()) and measured["removal"] == []
     assert measured["norm_gains"]["max_abs_dev_from_one"] > 0
 
