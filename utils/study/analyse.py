@@ -80,13 +80,17 @@ def analyse_checkpoint(checkpoint: Path, settings: AnalysisSettings) -> dict:
     return analysis_record(measure_model(model, tokenizer, measure_settings(settings), desc=f"{checkpoint.name}: "))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m utils.study.analyse")  # internal: called by run_job
     parser.add_argument("--run_dir", required=True)
     parser.add_argument("--steps", type=int, nargs="+", required=True)
-    parser.add_argument("--settings", required=True)
+    parser.add_argument("--settings", required=True, help="the AnalysisSettings as JSON")
     parser.add_argument("--out_json", required=True)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     settings = AnalysisSettings(**json.loads(args.settings))
     run_dir = Path(args.run_dir)
     results = {}
