@@ -8,7 +8,8 @@ Works on HF Llama, Qwen2/Qwen3 and Mistral models and on our checkpoints. The at
 remaining layers is renumbered (the KV cache is indexed by it) and the config's ``num_hidden_layers`` and
 ``layer_types`` follow. For our models each remaining layer keeps what it was trained with: its own LNS factor
 1/sqrt(l) (l = its original depth) and its own Mix-LN placement (post or pre). The config records this through
-``layer_norm_types`` / ``layer_depths`` (``freeze_layer_plan``), so the saved model reloads the same way.
+``layer_norm_types`` / ``layer_depths`` (``freeze_layer_plan``), so the saved model reloads the same way. The
+removal and the sweep are library code (utils/instruments/removal.py, removal_sweep.py); this is their command line.
 """
 from __future__ import annotations
 
