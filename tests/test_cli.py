@@ -46,12 +46,6 @@ def test_a_script_run_from_the_shell_prints_one_line():
     assert result.stderr.count("\n") == 1 and "--probes" in result.stderr, result.stderr
 
 
-# The study's analysis step runs the analysis tools' own command lines (main(argv)), so that every record is what a
-# user's `python utils/angular_analysis.py ...` would measure; it is the one module allowed to import tools.
-RUNS_TOOL_COMMAND_LINES = {"utils.study.analyse": {"layer_remove", "utils.angular_analysis", "utils.jacobian_analysis",
-                                                   "utils.variance_analysis"}}
-
-
 def tools() -> set[str]:
     """The command-line scripts: torchrun_main.py, layer_remove.py and utils/'s scripts that run as __main__."""
     return {"torchrun_main", "layer_remove",
@@ -78,10 +72,30 @@ def test_no_module_imports_a_tool():
     for path in [REPO / "torchrun_main.py", REPO / "layer_remove.py", *(REPO / "utils").rglob("*.py"),
                  *(REPO / "peft_pretraining").rglob("*.py")]:
         module = ".".join(path.relative_to(REPO).with_suffix("").parts)
-        imported = imported_tools(path.read_text(), names - {module}) - RUNS_TOOL_COMMAND_LINES.get(module, set())
+        imported = imported_tools(path.read_text(), names - {module})
         if imported:
             offenders[module] = sorted(imported)
     assert not offenders, offenders
+
+
+# The library: what the tools, the studies and the trainer share. The study's analyses (utils/study/analyse.py) once
+# ran the analysis tools' command lines; they now call utils/instruments/measure.measure_model.
+LIBRARY_PACKAGES = ("utils/study", "utils/instruments", "peft_pretraining")
+
+
+def test_no_library_module_imports_a_tool_or_a_study_script():
+    names = tools()
+    assert {"layer_remove", "utils.depth_report", "utils.compare_norms", "utils.depth_sweep"} <= names
+    assert "utils.model_io" not in names  # a library module, at the top of utils/
+    offenders = {}
+    for package in LIBRARY_PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            imported = imported_tools(path.read_text(), names)
+            if imported:
+                offenders[str(path.relative_to(REPO))] = sorted(imported)
+    assert offenders == {}
+    before = "def analyse():\n    import layer_remove\n    from utils import angular_analysis, depth_report\n"
+    assert imported_tools(before, names) == {"layer_remove", "utils.angular_analysis", "utils.depth_report"}
 
 
 def test_the_import_check_sees_both_import_forms():

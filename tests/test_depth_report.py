@@ -219,3 +219,16 @@ def test_the_angular_tools_logit_lens_is_the_depth_reports(tmp_path):
     assert not (without / "logit_lens.json").exists()
     for name in ("angular_distance.json", "angular_distance.csv", "block_influence.json", "block_influence.csv"):
         assert (without / name).read_bytes() == (with_lens / name).read_bytes()
+
+
+def test_the_variance_growth_is_reported_both_ways_as_the_studies_do():
+    from utils.depth_report import summarise
+    from utils.study import measures
+
+    variance = [0.5, 1.0, 2.0, 4.0, 8.0, 16.0]  # depths 0..5 of a 5-layer model
+    result = dict(num_layers=5, variance=variance, removal_cost=[0.1] * 5, lens_kl=[1.0, 0.5, 0.2, 0.05, 0.0],
+                  prediction_depth_mean=3.0, jacobian=[dict(rel_identity_dev=0.2)] * 5, update_ratio=[0.3] * 5,
+                  block_influence=[0.1] * 5)
+    summary = summarise(result)
+    assert summary["variance_growth"] == measures.variance_growth(variance) == 16.0 / 2.0  # over the stream after 2
+    assert summary["variance_growth_from_first"] == measures.variance_growth_from_first(variance) == 16.0

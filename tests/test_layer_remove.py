@@ -247,13 +247,14 @@ def test_sweep_per_document_values_add_up_to_the_reported_perplexity(tmp_path):
 def test_a_second_sweep_into_the_same_folder_is_refused_and_a_killed_sweep_keeps_its_rows(tmp_path, monkeypatch,
                                                                                           capsys):
     import layer_remove
+    from utils.instruments import removal_sweep
 
     model_dir = save_with_tokenizer(tiny_ours("lns", num_layers=2), tmp_path / "model")
     text = write_jsonl(tmp_path / "heldout.jsonl", [document[:300] for document in heldout_documents(2)])
     out = tmp_path / "sweep"
     argv = ["--model_path", str(model_dir), "--sweep", "--task_text_file", str(text), "--eval_batch_size", "2",
             "--output_dir", str(out)]
-    real_evaluate, calls = layer_remove.evaluate, []
+    real_evaluate, calls = removal_sweep.evaluate, []
 
     def evaluate_then_die(*args, **kwargs):  # the baseline and layer 0 finish; the run dies during layer 1
         calls.append(1)
@@ -261,7 +262,7 @@ def test_a_second_sweep_into_the_same_folder_is_refused_and_a_killed_sweep_keeps
             raise KeyboardInterrupt
         return real_evaluate(*args, **kwargs)
 
-    monkeypatch.setattr(layer_remove, "evaluate", evaluate_then_die)
+    monkeypatch.setattr(removal_sweep, "evaluate", evaluate_then_die)
     with pytest.raises(KeyboardInterrupt):
         main(argv)
     partial = json.loads((out / layer_remove.PARTIAL_SWEEP).read_text())
@@ -273,7 +274,7 @@ def test_a_second_sweep_into_the_same_folder_is_refused_and_a_killed_sweep_keeps
         main([*argv, "--resume", "--max_seq_len", "32"])
     assert exit_info.value.code == 2 and "max_seq_len" in capsys.readouterr().err
     calls.clear()
-    monkeypatch.setattr(layer_remove, "evaluate", lambda *a, **k: calls.append(1) or real_evaluate(*a, **k))
+    monkeypatch.setattr(removal_sweep, "evaluate", lambda *a, **k: calls.append(1) or real_evaluate(*a, **k))
     main([*argv, "--resume"])
     assert len(calls) == 1  # only layer 1: the baseline and layer 0 come from the partial file
     assert not (out / layer_remove.PARTIAL_SWEEP).exists()
@@ -324,16 +325,16 @@ def test_with_cuda_and_the_hub_the_gpu_mmlu_command_comes_first(tmp_path, monkey
 def test_only_lm_evals_model_object_warning_is_dropped(caplog):
     import logging
 
-    from layer_remove import _LM_EVAL_MODEL_OBJECT_WARNING, _quiet_lm_eval_model_object_warning
+    from utils.instruments.removal_sweep import LM_EVAL_MODEL_OBJECT_WARNING, quiet_lm_eval_model_object_warning
 
     logger = logging.getLogger("lm_eval.models.huggingface")
     with caplog.at_level(logging.WARNING):
-        with _quiet_lm_eval_model_object_warning():
-            logger.warning(_LM_EVAL_MODEL_OBJECT_WARNING + ". Many other model arguments may be ignored.")
+        with quiet_lm_eval_model_object_warning():
+            logger.warning(LM_EVAL_MODEL_OBJECT_WARNING + ". Many other model arguments may be ignored.")
             logger.warning("some other warning")
-        logger.warning(_LM_EVAL_MODEL_OBJECT_WARNING + " (outside the sweep)")
+        logger.warning(LM_EVAL_MODEL_OBJECT_WARNING + " (outside the sweep)")
     assert [record.getMessage() for record in caplog.records] == [
-        "some other warning", _LM_EVAL_MODEL_OBJECT_WARNING + " (outside the sweep)"]
+        "some other warning", LM_EVAL_MODEL_OBJECT_WARNING + " (outside the sweep)"]
 
 
 def test_the_heldout_task_states_its_aggregations(tmp_path, caplog):

@@ -859,8 +859,7 @@ def test_the_logit_lens_reaches_the_record_from_a_real_checkpoint(tmp_path):
     checkpoint = save_with_tokenizer(tiny_ours("pre", 3, seed=1), tmp_path / "model_4")
     settings = runs.AnalysisSettings(max_seq_len=32, stream_tokens=64, jacobian_tokens=1, jacobian_probes=0,
                                      removal_documents=2)
-    with (tmp_path / "analysis.log").open("w") as log:
-        analysis = analyse.analyse_checkpoint(checkpoint, settings, tmp_path / "analysis", log)
+    analysis = analyse.analyse_checkpoint(checkpoint, settings)
     assert len(analysis["lens_kl"]) == len(analysis["lens_top1_agreement"]) == 3
     assert analysis["lens_kl"][-1] == pytest.approx(0.0, abs=1e-6) and analysis["lens_top1_agreement"][-1] == 1.0
     assert 1.0 <= analysis["prediction_depth_mean"] <= 3.0
@@ -973,8 +972,9 @@ def test_a_study_runs_again_into_a_new_report_folder_over_the_same_runs(script, 
 
 @pytest.mark.parametrize("script", ["compare_norms", "depth_sweep", "width_sweep"])
 def test_every_study_redoes_an_analysis_folder_left_by_an_earlier_invocation(script, tmp_path, monkeypatch):
-    """The mechanism of the test above, in process and in the fast tier: each checkpoint's analysis folder is
-    scratch. A fake analysis refuses a folder that already holds a removal sweep, as layer_remove.py does."""
+    """The mechanism of the test above, in process and in the fast tier: the analyses write no files of their own
+    (measure_model keeps every measure in memory; layer_remove.py once refused its own earlier sweep), so a second
+    invocation analyses every checkpoint again and writes the same steps."""
     from utils import width_sweep
 
     study = {"compare_norms": compare_norms, "depth_sweep": depth_sweep, "width_sweep": width_sweep}[script]
@@ -985,20 +985,19 @@ def test_every_study_redoes_an_analysis_folder_left_by_an_earlier_invocation(scr
     for step in specs[0].analyse_steps:
         (run_dir / f"model_{step}").mkdir(parents=True)
 
-    def refusing_analysis(checkpoint, settings, out_dir, log):
-        sweep = out_dir / "removal" / "layer_removal.json"
-        if sweep.exists():
-            raise SystemExit(f"--output_dir {sweep.parent} already holds a sweep")
-        sweep.parent.mkdir(parents=True)
-        sweep.write_text("{}")
+    analysed = []
+
+    def fake_analysis(checkpoint, analysis_settings):
+        analysed.append(checkpoint.name)
         return {"checkpoint": checkpoint.name}
 
-    monkeypatch.setattr(analyse, "analyse_checkpoint", refusing_analysis)
+    monkeypatch.setattr(analyse, "analyse_checkpoint", fake_analysis)
     command = ["--run_dir", str(run_dir), "--steps", *map(str, specs[0].analyse_steps), "--settings",
                json.dumps(dataclasses.asdict(settings)), "--out_json", str(run_dir / "study_analyses.json")]
     for _ in range(2):
         assert analyse.main(command) == 0
     assert set(json.loads((run_dir / "study_analyses.json").read_text())) == {str(s) for s in specs[0].analyse_steps}
+    assert analysed == [f"model_{step}" for step in specs[0].analyse_steps] * 2
 
 
 def test_a_single_pass_budget_reports_no_overfitting_probe_and_says_why(tmp_path):

@@ -106,8 +106,7 @@ def test_trainer_trains_and_evaluates_on_the_named_dataset(corpus, tmp_path):
 
     settings = runs.AnalysisSettings(max_seq_len=32, stream_tokens=64, jacobian_tokens=2, jacobian_probes=0,
                                        removal_documents=10, heldout="wikipedia")
-    with (tmp_path / "analysis.log").open("w") as log:
-        analysis = analyse.analyse_checkpoint(run / "model_3", settings, tmp_path / "analysis", log)
+    analysis = analyse.analyse_checkpoint(run / "model_3", settings)
     assert len(analysis["removal_document_nats"]) == 4
     assert len(analysis["variance"]) == 5  # the embeddings and the 4 layers of the tiny config
 
@@ -175,10 +174,10 @@ def test_depth_sweep_wikipedia_runs_and_analyses_read_the_corpus(corpus, tmp_pat
         assert all(step % spec.save_every == 0 and step % eval_every == 0 for step in spec.analyse_steps)
     settings = runs.analysis_settings(s, args.device)
     assert settings.heldout == "wikipedia" and settings.max_seq_len == s["max_length"]
-    stream_flags, removal_flags = analyse.heldout_text_flags(settings.heldout)
-    assert stream_flags == ["--text_file", str(corpus / "validation.jsonl.gz")]
-    assert removal_flags == ["--task_text_file", str(corpus / "validation.jsonl.gz")]
-    assert analyse.heldout_text_flags("embedded") == (["--dataset", "embedded"], [])
+    assert analyse.heldout_text_file(settings.heldout) == str(corpus / "validation.jsonl.gz")
+    assert analyse.heldout_text_file("embedded") is None  # the embedded held-out novel
+    measured_on = analyse.measure_settings(settings)
+    assert measured_on.text_file == str(corpus / "validation.jsonl.gz") and measured_on.max_seq_len == s["max_length"]
 
 
 def test_wikipedia_budgets_stay_within_one_pass_and_see_enough_tokens():

@@ -7,7 +7,8 @@ Layer analyses (docs/analyses.md), on our checkpoints and on Hugging Face causal
     jacobian_analysis   how far each block's Jacobian is from the identity
     depth_report        every instrument on the same tokens, with the logit lens and update ratio, in one report
     (layer removal is layer_remove.py at the repository root)
-    instruments/        what those measure, as library code: angular, variance, jacobian, logit_lens, removal
+    instruments/        what those measure, as library code (angular, variance, jacobian, logit_lens, removal,
+                        ...), and measure_model: every instrument on one loaded model in one call
     model_io            the shared helper: load a model and tokenizer, feed text, capture the residual stream
 
 Studies (docs/study.md), Pre-LN against LNS and the other placements, trained and measured end to end:

@@ -7,17 +7,20 @@
 Each model reads the same text (--dataset / --text_file, as the other tools) in windows of its trained context
 length (utils/model_io.resolve_context_length). From those windows:
 
-- one pass of the residual stream (utils/model_io.ResidualStream) over the first --num_tokens tokens feeds
+- one pass of the residual stream (utils/instruments/stream.py) over the first --num_tokens tokens feeds
   the angular distance d(l, 1) and block influence (utils/instruments/angular.py), the variance
   (utils/instruments/variance.py), the residual update ratio ||h_{l+1} - h_l|| / ||h_l|| (each block's update against
   the stream it is added to) and the logit lens (utils/instruments/logit_lens.py): the model's own final norm and LM
   head applied to the stream after every layer, compared with the final layer's next-token distribution
   (KL(final || layer l), top-1 agreement, and each token's prediction depth: the first layer from which its top-1
   token agrees with the final one and stays);
-- the removal cost of each layer (utils/instruments/removal.layer_removed): the rise of the next-token loss, in nats
-  per token, when that layer is removed, over the first --removal_tokens tokens of the same windows;
+- the removal cost of each layer (utils/instruments/removal_loss.py): the rise of the next-token loss, in nats per
+  token, when that layer is removed, over the first --removal_tokens tokens of the same windows;
 - block Jacobians ||J - I||_F / sqrt(d) (utils/instruments/jacobian.py) at --jacobian_tokens positions sampled from the
   first of the same windows.
+
+The variance growth is reported both ways, as the studies do (utils/study/measures.py): variance_growth, the last
+layer's output variance over the stream leaving layer L // 2, and variance_growth_from_first, last over first.
 
 Writes to --out: report.md (settings, a few sentences per model, each naming its threshold, and the panel),
 depth_report.png (a row per measure against relative depth l/L, a line per model), depth_report.json and
@@ -35,19 +38,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from peft_pretraining.cli import OneLineErrorParser
 from peft_pretraining.model_parts import decoder_layers
 from utils import model_io
-from utils.instruments.angular import AngularDistanceAccumulator
+from utils.instruments import stream
 from utils.instruments.jacobian import jacobian_summary
-from utils.instruments.logit_lens import LogitLensAccumulator, final_readout
-from utils.instruments.removal import layer_removed
-from utils.instruments.variance import StreamStatistics
+from utils.instruments.logit_lens import final_readout
+from utils.instruments.removal_loss import measure_removal
 from utils.study.host import cpu_model_name
-from utils.study.measures import CHEAP_REMOVAL_NATS
+from utils.study.measures import CHEAP_REMOVAL_NATS, variance_growth, variance_growth_from_first
 
 # GPU defaults: the paper's 262,144 tokens for the stream measures and the Jacobian tool's 128 tokens; the removal
 # sweep runs the model L + 1 times, so it reads a quarter of the stream's tokens.
@@ -59,74 +59,17 @@ CPU_STREAM_TOKENS, CPU_REMOVAL_TOKENS, CPU_JACOBIAN_TOKENS = 2048, 512, 8
 # The report's thresholds. Cheap removal is the study's: the loss rises by less than 1% in perplexity.
 NEAR_IDENTITY = 0.1  # a block near the identity: ||J - I||_F / sqrt(d) below this, or an update below 10% of ||x||
 SETTLED_KL_NATS = 0.1  # the logit lens has settled from the first layer after which KL(final || layer) stays below
-# ----------------------------------------------------------------------------- the update ratio
-class UpdateRatioAccumulator:
-    """Mean over real tokens of ||h_{l+1} - h_l|| / ||h_l||: how large block l's update is against the stream it is
-    added to (0 for an identity block). Accumulated in float64."""
-
-    def __init__(self, num_layers: int):
-        self.sums = torch.zeros(num_layers, dtype=torch.float64)
-        self.num_tokens = 0
-
-    def update(self, states: list[torch.Tensor]) -> None:
-        for layer in range(len(states) - 1):
-            before, after = states[layer].double(), states[layer + 1].double()
-            ratios = (after - before).norm(dim=-1) / before.norm(dim=-1).clamp_min(1e-300)
-            self.sums[layer] += ratios.sum().cpu()
-        self.num_tokens += states[0].shape[0]
-
-    def result(self) -> list[float]:
-        if self.num_tokens == 0:
-            raise ValueError("no tokens were analysed")
-        return (self.sums / self.num_tokens).tolist()
-
-
 # ----------------------------------------------------------------------------- the measurements
 def measure_stream(model, batches, total_tokens: int | None = None, desc: str = "stream") -> dict:
-    """One pass of the residual stream feeding the angular, variance, update-ratio and logit-lens sums."""
-    stream = model_io.ResidualStream(model)
-    device = next(model.parameters()).device
-    num_layers = stream.num_layers
-    angular = AngularDistanceAccumulator(num_layers)
-    statistics = StreamStatistics(num_layers)
-    updates = UpdateRatioAccumulator(num_layers)
-    lens = LogitLensAccumulator.of_model(model, num_layers)
-    with tqdm(total=total_tokens, unit="tok", desc=desc, dynamic_ncols=True) as bar:
-        for input_ids, attention_mask in batches:
-            states = stream(input_ids.to(device), attention_mask.to(device))
-            for accumulator in (angular, statistics, updates, lens):
-                accumulator.update(states)
-            bar.update(int(attention_mask.sum()))
-    variance = statistics.result()
-    return dict(num_tokens=angular.num_tokens, angular_next=angular.matrix()[0].tolist(),
-                block_influence=angular.block_influence().tolist(), variance=variance["variance"].tolist(),
-                update_ratio=updates.result(), **lens.result())
-
-
-@torch.inference_mode()
-def next_token_loss(model, batches) -> float:
-    """Mean next-token cross-entropy (nats/token) over every real token that has a real successor."""
-    device = next(model.parameters()).device
-    total, count = 0.0, 0
-    for input_ids, attention_mask in batches:
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1].float()
-        scored = (attention_mask[:, 1:] * attention_mask[:, :-1]).bool()
-        total += F.cross_entropy(logits[scored], input_ids[:, 1:][scored], reduction="sum").item()
-        count += int(scored.sum())
-    if count == 0:
-        raise ValueError("no token has a successor to predict")
-    return total / count
-
-
-def measure_removal(model, batches: list, desc: str = "removal") -> dict:
-    """The loss with every layer, and its rise (nats/token) with each layer removed in turn."""
-    baseline = next_token_loss(model, batches)
-    costs = []
-    for layer in tqdm(range(len(decoder_layers(model))), unit="layer", desc=desc, dynamic_ncols=True):
-        with layer_removed(model, layer):
-            costs.append(next_token_loss(model, batches) - baseline)
-    return dict(removal_baseline_nats=baseline, removal_cost=costs)
+    """One pass of the residual stream (utils/instruments/stream.py): the angular d(l, 1), block influence, variance,
+    update ratio and logit lens, as lists."""
+    measured = stream.measure_stream(model, batches, total_tokens, desc=desc)
+    lens = {key: measured[key] for key in ("lens_kl", "lens_top1_agreement", "prediction_depth_mean",
+                                           "prediction_depth_median", "prediction_depth_p90",
+                                           "prediction_depth_histogram")}
+    return dict(num_tokens=measured["num_tokens"], angular_next=measured["angular"][0].tolist(),
+                block_influence=measured["block_influence"].tolist(), variance=measured["variance"].tolist(),
+                update_ratio=measured["update_ratio"], **lens)
 
 
 # ----------------------------------------------------------------------------- plain-word summary
@@ -159,7 +102,9 @@ def summarise(result: dict) -> dict:
         jacobian_deep=float(np.mean(deep_half(jacobian))),
         update_ratio_deep=float(np.mean(deep_half(result["update_ratio"]))),
         bi_deep=float(np.mean(deep_half(result["block_influence"]))),
-        variance_growth=result["variance"][-1] / result["variance"][1],
+        # as the study reports it: over the deeper half (last / the stream leaving layer L // 2), and last / first
+        variance_growth=variance_growth(result["variance"]),
+        variance_growth_from_first=variance_growth_from_first(result["variance"]),
     )
 
 
