@@ -573,3 +573,27 @@ def test_angular_analysis_and_layer_removal_run_on_a_stream_placement(norm_type,
     result = run_cli("layer_remove.py", "--model_path", str(model_dir), "--layer_index", "1", "--save_path",
                      str(tmp_path / "removed"))
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.e2e  # the removal sweep goes through lm-eval: tens of seconds
+@pytest.mark.parametrize("norm_type", STREAM_KINDS)
+def test_the_studys_measures_skip_block_jacobians_where_the_stream_is_no_running_sum(norm_type, tmp_path, capsys):
+    """A block Jacobian perturbs the tensor a block passes on, which AttnRes and mHC do not pass: the study's one
+    measurement call records none (its other measures still run), and jacobian_analysis.py says so in one line."""
+    from tests.analysis_helpers import save_with_tokenizer
+    from utils import jacobian_analysis, model_io
+    from utils.instruments.jacobian import NO_BLOCK_JACOBIAN, stream_is_a_running_sum
+    from utils.instruments.measure import MeasureSettings, measure_model
+
+    assert stream_is_a_running_sum(randomised_model("pre"))
+    model_dir = save_with_tokenizer(randomised_model(norm_type), tmp_path / "model")
+    model, tokenizer = model_io.load_model_and_tokenizer(str(model_dir))
+    assert not stream_is_a_running_sum(model)
+    measured = measure_model(model, tokenizer, MeasureSettings(max_seq_len=32, stream_tokens=64, jacobian_tokens=2,
+                                                               jacobian_probes=0, removal_documents=1))
+    assert measured["jacobian"] == [] and measured["jacobian_method"] == NO_BLOCK_JACOBIAN
+    assert len(measured["variance"]) == model.config.num_hidden_layers + 1
+    with pytest.raises(SystemExit) as stop:
+        jacobian_analysis.main(["--model_path", str(model_dir), "--output_dir", str(tmp_path / "jacobian")])
+    assert stop.value.code == 2
+    assert "not a running sum" in capsys.readouterr().err

@@ -49,7 +49,14 @@ import numpy as np
 
 from peft_pretraining.cli import OneLineErrorParser
 from utils import model_io
-from utils.instruments.jacobian import DEFAULT_PROBES, EXACT_MAX_HIDDEN, measure_jacobians, sample_tokens
+from utils.instruments.jacobian import (
+    DEFAULT_PROBES,
+    EXACT_MAX_HIDDEN,
+    NO_BLOCK_JACOBIAN,
+    measure_jacobians,
+    sample_tokens,
+    stream_is_a_running_sum,
+)
 
 CSV_COLUMNS = ("layer", "rel_identity_dev", "mean_diag", "mean_abs_offdiag")
 DEFAULT_MODEL = "Qwen/Qwen3-8B"
@@ -224,6 +231,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results = []
     for label, model_path in models:
         model, tokenizer = model_io.load_model_and_tokenizer(model_path, dtype, device, args.tokenizer)
+        if not stream_is_a_running_sum(model):
+            parser.error(f"{model_path}: block Jacobians are {NO_BLOCK_JACOBIAN}")
         max_seq_len = model_io.resolve_context_length(model, args.max_seq_len, fallback=model_io.HUB_STREAM_WINDOW)
         try:
             windows = model_io.token_windows(tokenizer, model_io.iter_documents(source), max_seq_len, sys.maxsize)

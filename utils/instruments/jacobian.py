@@ -71,6 +71,18 @@ class _StopForward(Exception):
     """Raised by the last hook that is needed, so that the rest of the backbone is not run."""
 
 
+NO_BLOCK_JACOBIAN = "not defined: the residual stream is not a running sum (docs/training.md#norm-placements)"
+
+
+def stream_is_a_running_sum(model) -> bool:
+    """Whether each block maps the residual stream x to x + F(x), so that its Jacobian is defined: true of any HF
+    causal LM and of every placement here but those with a stream of their own (AttnRes, mHC)."""
+    from peft_pretraining.modeling_llama import ResidualSum
+
+    stream = getattr(getattr(model, "model", None), "residual_stream", None)
+    return stream is None or isinstance(stream, ResidualSum)
+
+
 def _to_jacobian_dtype(value):
     if isinstance(value, torch.Tensor):
         return value.to(JACOBIAN_DTYPE) if value.is_floating_point() else value

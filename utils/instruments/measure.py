@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from utils import model_io
-from utils.instruments.jacobian import measure_jacobians, sample_tokens
+from utils.instruments.jacobian import NO_BLOCK_JACOBIAN, measure_jacobians, sample_tokens, stream_is_a_running_sum
 from utils.instruments.norm_gains import norm_gains
 from utils.instruments.removal_sweep import heldout_removal_sweep
 from utils.instruments.stream import measure_stream
@@ -58,10 +58,13 @@ def measure_model(model, tokenizer, settings: MeasureSettings, desc: str = "") -
                                      settings.batch_size)
     measured = measure_stream(model, batches, settings.stream_tokens, desc=f"{desc}stream")
     windows = model_io.token_windows(tokenizer, model_io.iter_documents(source), settings.max_seq_len, sys.maxsize)
-    samples = sample_tokens(windows, settings.jacobian_tokens, settings.tokens_per_window, settings.seed)
-    jacobian = measure_jacobians(model, samples, settings.jacobian_probes, settings.seed, heatmap=False,
-                                 desc=f"{desc}jacobian")
-    measured.update(jacobian=jacobian.rows, jacobian_method=jacobian.method, jacobian_tokens=jacobian.num_tokens)
+    if stream_is_a_running_sum(model):
+        samples = sample_tokens(windows, settings.jacobian_tokens, settings.tokens_per_window, settings.seed)
+        jacobian = measure_jacobians(model, samples, settings.jacobian_probes, settings.seed, heatmap=False,
+                                     desc=f"{desc}jacobian")
+        measured.update(jacobian=jacobian.rows, jacobian_method=jacobian.method, jacobian_tokens=jacobian.num_tokens)
+    else:  # a block's Jacobian perturbs its input tensor, which AttnRes and mHC do not pass from block to block
+        measured.update(jacobian=[], jacobian_method=NO_BLOCK_JACOBIAN, jacobian_tokens=0)
     measured["removal"] = heldout_removal_sweep(model, tokenizer, settings.max_seq_len, settings.text_file,
                                                 settings.removal_documents, settings.eval_batch_size)
     measured["norm_gains"] = norm_gains(model.state_dict())
