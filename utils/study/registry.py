@@ -49,8 +49,8 @@ CPU_STUDY = "the CPU-scale study and the rivals"
 DEPTH = "the depth sweep"
 WIDTH = "the width sweep"
 WIKIPEDIA = "the Wikipedia depth sweep: the pilot, its learning-rate grid, the 3-seed sweep"
-BUDGET_MAP = ("the budget x depth map: the 2,400-update budget, then the map over it and the 10,500-update sweep, "
-              "with the latter's learning-rate grid")
+BUDGET_MAP = ("the budget x depth map: the 2,400- and 5,000-update budgets, then the map over them and the "
+              "10,500-update sweep, with the latter's learning-rate grid")
 SECOND_HOST = "the float32 depth sweep and long study trained again on an AVX2 host, and what survived the change"
 
 WIKIPEDIA_PILOT = "python utils/depth_sweep.py --budget wikipedia_pilot --dtype float32 --no-compile"
@@ -90,9 +90,12 @@ STUDIES = (
           derived=True),
     Study("wikipedia_2400", "python utils/depth_sweep.py --budget wikipedia_2400 --dtype float32 --no-compile "
           "--lr 2e-3", "docs/depth_sweep_wikipedia_2400_lr0.002/report.md", BUDGET_MAP),
+    Study("wikipedia_5000", "python utils/depth_sweep.py --budget wikipedia_5000 --dtype float32 --no-compile "
+          "--lr 2e-3", "docs/depth_sweep_wikipedia_5000_lr0.002/report.md", BUDGET_MAP),
     Study("wikipedia_budget_map", "python -m utils.study.budget_map docs/depth_sweep_wikipedia_2400_lr0.002 "
-          "docs/depth_sweep_wikipedia_lr0.002 --grid docs/depth_sweep_wikipedia docs/depth_sweep_wikipedia_lr0.004 "
-          "docs/depth_sweep_wikipedia_lr0.008", "docs/depth_sweep_wikipedia_budget_map/budget_map.md", BUDGET_MAP,
+          "docs/depth_sweep_wikipedia_5000_lr0.002 docs/depth_sweep_wikipedia_lr0.002 "
+          "--grid docs/depth_sweep_wikipedia docs/depth_sweep_wikipedia_lr0.004 docs/depth_sweep_wikipedia_lr0.008",
+          "docs/depth_sweep_wikipedia_budget_map/budget_map.md", BUDGET_MAP,
           derived=True),
     Study("depth_sweep_avx2", "python utils/depth_sweep.py --dtype float32 --no-compile --out docs/depth_sweep_avx2",
           "docs/depth_sweep_avx2/report.md", SECOND_HOST),
