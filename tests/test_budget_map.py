@@ -106,6 +106,16 @@ def test_a_slope_over_three_depths_evenly_spaced_in_ln_rests_on_the_end_points()
     assert sweep.resting_depths([6, 12, 24, 48]) == [6, 12, 24, 48]
 
 
+def test_a_budget_with_one_depth_says_it_has_no_slope_yet(recwarn):
+    """A budget one depth into its runs (the 5,000-update map's first pair) names that depth, not an empty list."""
+    pending = verdicts.Verdict("c", +1, None, None, None, 1, verdicts.NOT_MEASURABLE, "")
+    assert sweep.resting_depths([6]) == [] and sweep.resting_sentence([6]) == ""
+    assert sweep.evidence_note(pending, [6]) == "no slope yet: a slope needs two depths, and this has L = 6 only"
+    with pytest.raises(ValueError):
+        sweep.slope_weights([6])
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
 def test_an_interval_that_barely_excludes_zero_is_called_so():
     barely = verdicts.Verdict("c", +1, -0.040, -0.078, -0.002, 3, verdicts.OPPOSITE, "", n_agree=0)
     clear = verdicts.Verdict("c", +1, -0.040, -0.060, -0.020, 3, verdicts.OPPOSITE, "", n_agree=0)

@@ -554,7 +554,7 @@ def test_every_input_is_validated_before_any_work(reference, tmp_path, monkeypat
     def no_work(*args, **kwargs):
         raise AssertionError("work started before the inputs were validated")
 
-    monkeypatch.setattr(layer_remove, "evaluate", no_work)
+    monkeypatch.setattr(layer_remove, "sweep", no_work)
     monkeypatch.setattr(layer_remove.model_io, "load_model_and_tokenizer", no_work)
     with pytest.raises(SystemExit) as exit_info:
         layer_remove.main(["--model_path", model, "--sweep", "--tasks", "heldout_novel_ppl", "--metric", "bogus",

@@ -427,10 +427,12 @@ def test_depth_sweep_quick_end_to_end_then_reuses_every_record(tmp_path):
     assert "--dtype float32 --no-compile" in report  # the command, as given
     # The float32 records do not stand in for mixed-precision runs: a mixed report finds none of them.
     # Same report folder, so the float32 records are there to be (wrongly) matched.
-    assert depth_sweep.main(["--quick", "--dtype", "mixed", "--no-compile", "--report_only", "--out", str(out),
-                             "--runs_dir", str(runs)]) == 0
-    summary = json.loads((out / "summary.json").read_text())
-    assert not summary["runs"] and len(summary["missing"]) == 12
+    # It refuses in one line (exit 2) rather than write an empty report over the float32 one.
+    written = (out / "summary.json").read_bytes()
+    with pytest.raises(SystemExit) as exit_info:
+        depth_sweep.main(["--quick", "--dtype", "mixed", "--no-compile", "--report_only", "--out", str(out),
+                          "--runs_dir", str(runs)])
+    assert exit_info.value.code == 2 and (out / "summary.json").read_bytes() == written
 
 
 def test_max_hours_is_one_deadline_for_the_sweep_and_its_probe(tmp_path, monkeypatch):

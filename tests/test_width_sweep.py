@@ -218,6 +218,7 @@ def test_width_sweep_quick_end_to_end_then_reuses_every_record(tmp_path, monkeyp
     assert not (runs / "logs").exists() and "reused 4 records" in (out / "report.md").read_text()
     # The CPU records do not stand in for GPU runs: a GPU report in the same folder finds none of them.
     monkeypatch.setattr(cli, "cuda_available", lambda: True)
-    assert width_sweep.main([*argv, "--device", "cuda", "--report_only"]) == 0
-    summary = json.loads((out / "summary.json").read_text())
-    assert not summary["runs"] and len(summary["missing"]) == 4 and summary["device"] == "cuda"
+    written = (out / "summary.json").read_bytes()
+    with pytest.raises(SystemExit) as exit_info:
+        width_sweep.main([*argv, "--device", "cuda", "--report_only"])
+    assert exit_info.value.code == 2 and (out / "summary.json").read_bytes() == written

@@ -93,13 +93,17 @@ BARELY = 0.1
 def slope_weights(depths: list[int]) -> dict[int, float]:
     """Each depth's weight in a least-squares slope against ln L (the weights sum to zero). With L = 6, 12, 24, evenly
     spaced in ln L, the middle depth's weight is zero: the slope is (y(24) − y(6)) / ln 4."""
+    if len(set(depths)) < 2:
+        raise ValueError(f"a slope needs two depths, got {depths}")
     x = np.log(np.asarray(depths, dtype=float))
     centred = x - x.mean()
     return {d: float(w) for d, w in zip(depths, centred / np.sum(centred ** 2))}
 
 
 def resting_depths(depths: list[int]) -> list[int]:
-    """The depths a least-squares slope over `depths` gives a weight to (not ~0)."""
+    """The depths a least-squares slope over `depths` gives a weight to (not ~0); none below two depths."""
+    if len(set(depths)) < 2:
+        return []
     weights = slope_weights(depths)
     largest = max(abs(w) for w in weights.values())
     return [d for d, w in weights.items() if abs(w) > 1e-9 * largest]
@@ -109,7 +113,7 @@ def resting_sentence(values: list[int], symbol: str = "L") -> str:
     """One sentence, when a least-squares slope over `values` gives some of them no weight: which values it rests
     on. '' otherwise."""
     resting = resting_depths(values)
-    if len(resting) == len(values):
+    if not resting or len(resting) == len(values):  # one value has no slope: evidence_note says so per verdict
         return ""
     return (f"With {symbol} = {', '.join(map(str, values))} evenly spaced in ln {symbol}, every slope below rests on "
             f"{symbol} = {' and '.join(map(str, resting))} only: the least-squares fit gives the others no weight.")
@@ -122,7 +126,10 @@ def evidence_note(verdict: verdicts.Verdict, values: list[int], sign_test: bool 
     barely."""
     notes = []
     weighed = resting_depths(values)
-    if resting and len(weighed) < len(values):
+    if len(set(values)) < 2:
+        notes.append(f"no slope yet: a slope needs two depths, and this has {symbol} = "
+                     f"{', '.join(map(str, values)) or 'none'} only")
+    elif resting and len(weighed) < len(values):
         notes.append(f"rests on {symbol} = {' and '.join(map(str, weighed))} only (with {len(values)} values evenly "
                      f"spaced in ln {symbol} the others weigh nothing)")
     if verdict.effect is not None and sign_test:
