@@ -17,9 +17,13 @@ from tests.analysis_helpers import (
     with_blocks,
     write_jsonl,
 )
-from utils.depth_report import main, measure_removal, measure_stream
+from utils import model_io
+from utils.depth_report import main
+from utils.instruments.jacobian import jacobian_summary
 from utils.instruments.logit_lens import LogitLensAccumulator
 from utils.instruments.removal import remove_layer
+from utils.instruments.removal_loss import measure_removal
+from utils.instruments.stream import measure_stream
 
 MODELS = [lambda: tiny_hf_llama(3, seed=1), lambda: tiny_ours("lns", 3, seed=1)]
 
@@ -170,6 +174,32 @@ def test_two_models_one_report_offline(tmp_path):
     rows = (out / "depth_report.csv").read_text().splitlines()
     assert rows[0] == "label,model_path,measure,indexed_by,index,relative_depth,value"
     assert sum(row.startswith("HF,") and ",lens_kl," in row for row in rows) == 4
+
+
+def test_the_report_measures_through_measure_model_as_each_instrument_alone(tmp_path):
+    """The report's numbers (through utils/instruments/measure.measure_model, issue 66) equal each instrument run
+    alone on the same windows, as the report measured before: the stream over the first --num_tokens tokens, the
+    removal loss over the first --removal_tokens, the Jacobians sampled from the windows of the longer of the two."""
+    model = tiny_ours("lns", 3, seed=2)
+    model.config.train_max_length = 16
+    path = save_with_tokenizer(model, tmp_path / "ours")
+    text = write_jsonl(tmp_path / "text.jsonl", heldout_documents(3))
+    [result] = main(["--model_path", str(path), "--text_file", str(text), "--num_tokens", "80", "--removal_tokens",
+                     "48", "--jacobian_tokens", "50", "--probes", "0", "--batch_size", "3", "--out",
+                     str(tmp_path / "report"), "--device", "cpu"])
+    loaded, tokenizer = model_io.load_model_and_tokenizer(str(path), torch.float32, torch.device("cpu"))
+    windows = list(model_io.token_windows(tokenizer, model_io.read_documents(text), 16, 80))
+    removal_windows = list(model_io.token_windows(tokenizer, model_io.read_documents(text), 16, 48))
+    alone = measure_stream(loaded, model_io.padded_batches(windows, 3, tokenizer.pad_token_id))
+    removal = measure_removal(loaded, list(model_io.padded_batches(removal_windows, 3, tokenizer.pad_token_id)))
+    jacobian = jacobian_summary(loaded, windows, 50, probes=0, seed=0)
+    assert result["angular_next"] == alone["angular"][0].tolist() and result["lens_kl"] == alone["lens_kl"]
+    assert result["variance"] == alone["variance"].tolist() and result["update_ratio"] == alone["update_ratio"]
+    assert result["removal_cost"] == removal["removal_cost"] and result["removal_tokens"] == 48
+    assert result["jacobian"] == jacobian and result["jacobian_tokens"] == 50 and result["jacobian_method"] == "exact"
+    # 8 positions a window, 5 windows: the Jacobians come back to these windows rather than read the text's next ones
+    everything = list(model_io.token_windows(tokenizer, model_io.read_documents(text), 16, 10 ** 9))
+    assert len(windows) * 8 < 50 and len(everything) > len(windows)
 
 
 @pytest.mark.parametrize("case, named", [("missing", "--model_path"), ("not causal", "--model_path"),

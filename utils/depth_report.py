@@ -42,10 +42,8 @@ import torch
 from peft_pretraining.cli import OneLineErrorParser
 from peft_pretraining.model_parts import decoder_layers
 from utils import model_io
-from utils.instruments import stream
-from utils.instruments.jacobian import jacobian_summary
 from utils.instruments.logit_lens import final_readout
-from utils.instruments.removal_loss import measure_removal
+from utils.instruments.measure import NEXT_TOKEN_LOSS, MeasureSettings, measure_model
 from utils.study.host import cpu_model_name
 from utils.study.measures import CHEAP_REMOVAL_NATS, variance_growth, variance_growth_from_first
 
@@ -59,19 +57,6 @@ CPU_STREAM_TOKENS, CPU_REMOVAL_TOKENS, CPU_JACOBIAN_TOKENS = 2048, 512, 8
 # The report's thresholds. Cheap removal is the study's: the loss rises by less than 1% in perplexity.
 NEAR_IDENTITY = 0.1  # a block near the identity: ||J - I||_F / sqrt(d) below this, or an update below 10% of ||x||
 SETTLED_KL_NATS = 0.1  # the logit lens has settled from the first layer after which KL(final || layer) stays below
-# ----------------------------------------------------------------------------- the measurements
-def measure_stream(model, batches, total_tokens: int | None = None, desc: str = "stream") -> dict:
-    """One pass of the residual stream (utils/instruments/stream.py): the angular d(l, 1), block influence, variance,
-    update ratio and logit lens, as lists."""
-    measured = stream.measure_stream(model, batches, total_tokens, desc=desc)
-    lens = {key: measured[key] for key in ("lens_kl", "lens_top1_agreement", "prediction_depth_mean",
-                                           "prediction_depth_median", "prediction_depth_p90",
-                                           "prediction_depth_histogram")}
-    return dict(num_tokens=measured["num_tokens"], angular_next=measured["angular"][0].tolist(),
-                block_influence=measured["block_influence"].tolist(), variance=measured["variance"].tolist(),
-                update_ratio=measured["update_ratio"], **lens)
-
-
 # ----------------------------------------------------------------------------- plain-word summary
 def deep_half(values: list[float]) -> list[float]:
     """Layers L//2 .. L-1 (as the study's deep-half measures)."""
@@ -301,28 +286,16 @@ def not_causal_reason(config: dict) -> str | None:
     return None
 
 
-def token_windows(parser, tokenizer, source, max_seq_len: int, num_tokens: int, flag: str) -> list[list[int]]:
-    """The windows of the first num_tokens tokens of the text; a text shorter than one window is a one-line error."""
+def check_text_length(parser, tokenizer, source, max_seq_len: int, num_tokens: int, flag: str) -> None:
+    """A text shorter than one window (and than num_tokens) is a one-line error, before any measuring."""
     try:
-        windows = list(model_io.token_windows(tokenizer, model_io.iter_documents(source), max_seq_len, num_tokens))
+        total = sum(map(len, model_io.token_windows(tokenizer, model_io.iter_documents(source), max_seq_len,
+                                                    num_tokens)))
     except ValueError as err:
         model_io.bad_input(parser, str(err))
-    total = sum(len(window) for window in windows)
     if total < max_seq_len and total < num_tokens:
         model_io.bad_input(parser, f"{flag}: the text has {total} tokens, shorter than the model's {max_seq_len}-"
                                    "token context")
-    return windows
-
-
-def prefix(windows: list[list[int]], num_tokens: int) -> list[list[int]]:
-    """The first num_tokens tokens of the windows (the last window cut short)."""
-    kept, remaining = [], num_tokens
-    for window in windows:
-        if remaining <= 0:
-            break
-        kept.append(window[:remaining])
-        remaining -= len(kept[-1])
-    return kept
 
 
 def text_flag(args) -> str:
@@ -366,21 +339,22 @@ def analyse(parser, args, label: str, model_path: str, device, dtype, source) ->
         model_io.bad_input(parser, f"--model_path: {model_path} is not a decoder the report can read ({err})")
     max_seq_len = model_io.resolve_context_length(model, args.max_seq_len, fallback=model_io.HUB_STREAM_WINDOW)
     longest = max(args.num_tokens, args.removal_tokens)
-    windows = token_windows(parser, tokenizer, source, max_seq_len, longest, text_flag(args))
-    stream_windows, removal_windows = prefix(windows, args.num_tokens), prefix(windows, args.removal_tokens)
-    pad_id = tokenizer.pad_token_id
-    stream = measure_stream(model, model_io.padded_batches(stream_windows, args.batch_size, pad_id),
-                            sum(map(len, stream_windows)), desc=f"{label}: stream")
-    removal = measure_removal(model, list(model_io.padded_batches(removal_windows, args.batch_size, pad_id)),
-                              desc=f"{label}: removal")
-    jacobian = jacobian_summary(model, windows, args.jacobian_tokens, probes=args.probes, seed=args.seed,
-                                desc=f"{label}: jacobian")
-    hidden_size = model.get_input_embeddings().weight.shape[1]
-    probes = jacobian[0].get("rel_identity_dev_se") is not None
-    result = dict(label=label, model_path=model_path, num_layers=len(layers), hidden_size=hidden_size,
-                  max_seq_len=max_seq_len, removal_tokens=sum(map(len, removal_windows)),
-                  jacobian_tokens=min(args.jacobian_tokens, sum(map(len, windows))),
-                  jacobian_method=("probes" if probes else "exact"), jacobian=jacobian, **stream, **removal)
+    check_text_length(parser, tokenizer, source, max_seq_len, longest, text_flag(args))
+    measured = measure_model(model, tokenizer, MeasureSettings(
+        max_seq_len=max_seq_len, stream_tokens=args.num_tokens, jacobian_tokens=args.jacobian_tokens,
+        jacobian_probes=args.probes, source=source, removal=NEXT_TOKEN_LOSS, removal_tokens=args.removal_tokens,
+        text_tokens=longest, batch_size=args.batch_size, seed=args.seed), desc=f"{label}: ")
+    lens = {key: measured[key] for key in ("lens_kl", "lens_top1_agreement", "prediction_depth_mean",
+                                           "prediction_depth_median", "prediction_depth_p90",
+                                           "prediction_depth_histogram")}
+    result = dict(label=label, model_path=model_path, num_layers=len(layers),
+                  hidden_size=model.get_input_embeddings().weight.shape[1], max_seq_len=max_seq_len,
+                  removal_tokens=measured["removal_tokens"], jacobian_tokens=measured["jacobian_tokens"],
+                  jacobian_method=measured["jacobian_method"], jacobian=measured["jacobian"],
+                  num_tokens=measured["num_tokens"], angular_next=measured["angular"][0].tolist(),
+                  block_influence=measured["block_influence"].tolist(), variance=measured["variance"].tolist(),
+                  update_ratio=measured["update_ratio"], **lens,
+                  removal_baseline_nats=measured["removal_baseline_nats"], removal_cost=measured["removal_cost"])
     result["summary"] = summarise(result)
     result["seconds"] = time.perf_counter() - started
     if result["num_tokens"] < args.num_tokens:
