@@ -202,6 +202,25 @@ def test_the_report_measures_through_measure_model_as_each_instrument_alone(tmp_
     assert len(windows) * 8 < 50 and len(everything) > len(windows)
 
 
+@pytest.mark.parametrize("norm_type", ["attnres", "mhc"])
+def test_a_stream_that_is_not_a_running_sum_is_reported_without_block_jacobians(tmp_path, norm_type, recwarn):
+    """AttnRes and mHC pass no stream tensor from block to block: the report says the Jacobians are not defined and
+    keeps every other measure."""
+    model = tiny_ours(norm_type, 3, seed=1)
+    model.config.train_max_length = 16
+    path = save_with_tokenizer(model, tmp_path / norm_type)
+    text = write_jsonl(tmp_path / "text.jsonl", heldout_documents(2))
+    out = tmp_path / "report"
+    [result] = main(["--model_path", str(path), "--text_file", str(text), "--num_tokens", "48", "--removal_tokens",
+                     "32", "--jacobian_tokens", "2", "--out", str(out), "--device", "cpu"])
+    assert result["jacobian"] == [] and result["summary"]["jacobian_deep"] is None
+    assert len(result["removal_cost"]) == 3 and len(result["update_ratio"]) == 3
+    report = (out / "report.md").read_text()
+    assert "Block Jacobians are not defined: the residual stream is not a running sum" in report
+    assert "| jacobian_deep | — |" in report
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
 @pytest.mark.parametrize("case, named", [("missing", "--model_path"), ("not causal", "--model_path"),
                                          ("short text", "--text_file")])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, case, named):

@@ -82,9 +82,10 @@ def summarise(result: dict) -> dict:
         lens_kl_deep=float(np.mean(deep_half(result["lens_kl"]))),
         relative_prediction_depth=result["prediction_depth_mean"] / num_layers,
         lens_settled_depth=settled_from(result["lens_kl"], SETTLED_KL_NATS),
-        near_identity_jacobian_fraction=float(np.mean([value < NEAR_IDENTITY for value in jacobian])),
+        near_identity_jacobian_fraction=(float(np.mean([value < NEAR_IDENTITY for value in jacobian])) if jacobian
+                                         else None),  # None: no block Jacobian (a stream that is not a running sum)
         near_identity_update_fraction=float(np.mean([ratio < NEAR_IDENTITY for ratio in result["update_ratio"]])),
-        jacobian_deep=float(np.mean(deep_half(jacobian))),
+        jacobian_deep=float(np.mean(deep_half(jacobian))) if jacobian else None,
         update_ratio_deep=float(np.mean(deep_half(result["update_ratio"]))),
         bi_deep=float(np.mean(deep_half(result["block_influence"]))),
         # as the study reports it: over the deeper half (last / the stream leaving layer L // 2), and last / first
@@ -125,14 +126,25 @@ def sentences(result: dict) -> list[str]:
         f" of the depth; median {result['prediction_depth_median']:.0f}, 90th percentile "
         f"{result['prediction_depth_p90']:.0f}). The KL from the final distribution stays below {SETTLED_KL_NATS} "
         f"nats {settled_text}; over the deep half it averages {summary['lens_kl_deep']:.3f} nats.",
-        f"**Near the identity.** {sum(jacobian_near)} of {num_layers} blocks "
-        f"({summary['near_identity_jacobian_fraction']:.0%}) have ‖J − I‖_F/√d below {NEAR_IDENTITY}"
-        f"{layer_list(jacobian_near, ': layers ')}, and {sum(update_near)} "
-        f"({summary['near_identity_update_fraction']:.0%}) add an update smaller than {NEAR_IDENTITY:.0%} of the "
-        f"stream they are added to (‖F(x)‖/‖x‖ < {NEAR_IDENTITY}){layer_list(update_near, ': layers ')}; over the "
-        f"deep half ‖J − I‖_F/√d averages {summary['jacobian_deep']:.3f} and ‖F(x)‖/‖x‖ "
-        f"{summary['update_ratio_deep']:.3f}.",
+        near_identity_sentence(result, jacobian_near, update_near),
     ]
+
+
+def near_identity_sentence(result: dict, jacobian_near: list[bool], update_near: list[bool]) -> str:
+    summary, num_layers = result["summary"], result["num_layers"]
+    updates = (f"{sum(update_near)} of {num_layers} blocks ({summary['near_identity_update_fraction']:.0%}) add an "
+               f"update smaller than {NEAR_IDENTITY:.0%} of the stream they are added to (‖F(x)‖/‖x‖ < "
+               f"{NEAR_IDENTITY}){layer_list(update_near, ': layers ')}")
+    if not result["jacobian"]:  # AttnRes and mHC: no block maps one stream tensor to the next
+        return (f"**Near the identity.** Block Jacobians are {result['jacobian_method']}; {updates}; over the deep "
+                f"half ‖F(x)‖/‖x‖ averages {summary['update_ratio_deep']:.3f}.")
+    return (f"**Near the identity.** {sum(jacobian_near)} of {num_layers} blocks "
+            f"({summary['near_identity_jacobian_fraction']:.0%}) have ‖J − I‖_F/√d below {NEAR_IDENTITY}"
+            f"{layer_list(jacobian_near, ': layers ')}, and {sum(update_near)} "
+            f"({summary['near_identity_update_fraction']:.0%}) add an update smaller than {NEAR_IDENTITY:.0%} of the "
+            f"stream they are added to (‖F(x)‖/‖x‖ < {NEAR_IDENTITY}){layer_list(update_near, ': layers ')}; over the "
+            f"deep half ‖J − I‖_F/√d averages {summary['jacobian_deep']:.3f} and ‖F(x)‖/‖x‖ "
+            f"{summary['update_ratio_deep']:.3f}.")
 
 
 # ----------------------------------------------------------------------------- outputs
