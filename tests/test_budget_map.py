@@ -53,6 +53,21 @@ def test_a_lead_that_grows_at_the_short_budget_and_shrinks_at_the_long_one_chang
     assert (tmp_path / "map/budget_map.png").stat().st_size > 0
 
 
+def test_a_budget_with_one_depth_waits_outside_the_comparison_between_budgets(tmp_path):
+    """A budget one pair into its runs (L = 6 only) has no slope: the other budgets are still compared over the
+    depths they share, not over L = 6 alone."""
+    short = write_folder(tmp_path / "short", retold(committed(), 2400, GROWING))
+    first_pair = {name: record for name, record in retold(committed(), 5000, GROWING).items()
+                  if name.startswith("L6-") and record["seed"] == 1}
+    middle = write_folder(tmp_path / "middle", first_pair)
+    assert budget_map.main([str(short), str(middle), str(SWEEP), "--out", str(tmp_path / "map")]) == 0
+    summary = json.loads((tmp_path / "map/budget_map.json").read_text())
+    assert summary["common_depths"] == [6, 12, 24]
+    assert [(i["short"], i["long"]) for i in summary["interactions"]] == [(2400, 10500)]
+    text = (tmp_path / "map/budget_map.md").read_text()
+    assert "Not compared yet (fewer than two depths trained): 5,000 updates." in text
+
+
 def test_the_mid_run_read_comes_from_the_longer_runs_eval_curves(tmp_path):
     short = write_folder(tmp_path / "short", retold(committed(), 2400, GROWING))
     budget_map.write([short, SWEEP], [], tmp_path / "map", [])

@@ -321,9 +321,13 @@ def write(folders: list[Path], grid_folders: list[Path], out: Path, argv: list[s
     some = next(iter(next(iter(budgets.values())).values()))
     settings = dict(batch=int(flag(some, "--batch_size")), length=int(flag(some, "--max_length")))
     entries = {updates: budget_entry(updates, records, settings) for updates, records in budgets.items()}
-    common = sorted(set.intersection(*(set(e["depths"]) for e in entries.values())))
-    verdict_at, slopes_at = common_slopes(entries, common)
-    budget_list = list(entries)
+    # A budget with fewer than two depths has no slope yet: it waits outside the comparison rather than shrink the
+    # depths every budget shares to one.
+    sloped = {updates: e for updates, e in entries.items() if len(e["depths"]) >= 2}
+    waiting = [updates for updates in entries if updates not in sloped]
+    common = sorted(set.intersection(*(set(e["depths"]) for e in sloped.values()))) if sloped else []
+    verdict_at, slopes_at = common_slopes(sloped, common)
+    budget_list = list(sloped)
     pairs = list(zip(budget_list, budget_list[1:]))
     if len(budget_list) > 2:
         pairs.append((budget_list[0], budget_list[-1]))
@@ -353,7 +357,10 @@ def write(folders: list[Path], grid_folders: list[Path], out: Path, argv: list[s
     text += [f"- {e['slope'].claim}: {e['slope_note'] or 'see the table'}" for e in entries.values()]
     text += ["", f"## Does the slope change between budgets? (paired by seed, over L = {', '.join(map(str, common))})",
              ""]
-    if len(common) < len(set().union(*(e["depths"] for e in entries.values()))):
+    if waiting:
+        text += [f"Not compared yet (fewer than two depths trained): {', '.join(f'{u:,}' for u in waiting)} "
+                 "updates.", ""]
+    if len(common) < len(set().union(*(e["depths"] for e in sloped.values()))):
         text += ["Each budget's slope over these depths (a budget with more depths has its own slope above):", ""]
         text += [f"- {v.line()}" for v in verdict_at.values()] + [""]
     text += [f"- {i['difference'].line()}\n  - {i['words']}" for i in interactions] or ["Nothing to compare yet."]
