@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from peft_pretraining import lm_eval_tasks
 from peft_pretraining.cli import OneLineErrorParser
-from peft_pretraining.layernorm_scaling import fold_layernorm_scaling, has_layernorm_scaling
-from peft_pretraining.model_parts import is_our_config
-from utils import model_io
+from peft_pretraining.data import lm_eval_tasks
+from peft_pretraining.model.layernorm_scaling import fold_layernorm_scaling, has_layernorm_scaling
+from peft_pretraining.model.model_parts import is_our_config
+from utils.instruments import model_io
 from utils.instruments.removal import check_layer_index, remove_layer
 from utils.instruments.removal_sweep import check_metric_reported, sweep
 

@@ -7,8 +7,8 @@ Several:         torchrun --nproc_per_node 4 torchrun_main.py ...   (nccl on GPU
 
 Exit codes: peft_pretraining/exit_codes.ExitCode (docs/training.md#exit-codes).
 
-The run folder (peft_pretraining/run_folder.py) is locked by rank 0 for the whole run, recovered at start-up after a
-crash, and holds one history: resuming from step k moves the folder's later checkpoints into superseded/.
+The run folder (peft_pretraining/training/run_folder.py) is locked by rank 0 for the whole run, recovered at start-up
+after a crash, and holds one history: resuming from step k moves the folder's later checkpoints into superseded/.
 torchrun reports any failed rank as 1; run_*.sh read each rank's own code back (utils/launch/launch_trainer.sh).
 """
 import contextlib
@@ -24,7 +24,19 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from peft_pretraining import (
+from peft_pretraining.data.dataloader import (
+    IGNORE_INDEX,
+    VOCAB_MULTIPLE,
+    build_train_stream,
+    check_vocab_covers_tokenizer,
+    count_target_tokens,
+    iter_eval_batches,
+    load_tokenizer,
+    vocab_size_covering,
+)
+from peft_pretraining.exit_codes import ExitCode
+from peft_pretraining.model.modeling_llama import LlamaForCausalLM, build_config, canonical_norm_type
+from peft_pretraining.training import (
     args_utils,
     checkpointing,
     evaluation,
@@ -37,17 +49,7 @@ from peft_pretraining import (
     run_folder,
     wandb_logging,
 )
-from peft_pretraining.dataloader import (
-    IGNORE_INDEX,
-    VOCAB_MULTIPLE,
-    build_train_stream,
-    check_vocab_covers_tokenizer,
-    count_target_tokens,
-    iter_eval_batches,
-    load_tokenizer,
-    vocab_size_covering,
-)
-from peft_pretraining.distributed import (
+from peft_pretraining.training.distributed import (
     broadcast_from_rank0,
     grad_sync,
     init_distributed,
@@ -55,8 +57,6 @@ from peft_pretraining.distributed import (
     report_exit_code,
     wrap_model,
 )
-from peft_pretraining.exit_codes import ExitCode
-from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config, canonical_norm_type
 
 
 class BadInput(Exception):
@@ -137,7 +137,8 @@ def build_model_config(args, tokenizer, log):
     if args.max_length > config.max_position_embeddings:
         raise BadInput(f"--max_length {args.max_length}: longer than the model's max_position_embeddings "
                        f"{config.max_position_embeddings} ({args.model_config})")
-    # Evaluation tools stay inside the context the model was trained at (utils/model_io.resolve_context_length).
+    # Evaluation tools stay inside the context the model was trained at
+    # (utils/instruments/model_io.resolve_context_length).
     config.train_max_length = args.max_length
     return config
 

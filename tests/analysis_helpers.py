@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from peft_pretraining.dataloader import EMBEDDED_DIR, TOKENIZER_DIR
+from peft_pretraining.data.dataloader import EMBEDDED_DIR, TOKENIZER_DIR
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_CONFIG = REPO_ROOT / "configs" / "llama_tiny.json"
@@ -31,8 +31,8 @@ def tiny_hf_llama(num_layers: int = 3, seed: int = 0) -> LlamaForCausalLM:
 
 
 def tiny_ours(norm_type: str, num_layers: int = 4, seed: int = 0, **overrides):
-    from peft_pretraining.modeling_llama import LlamaForCausalLM as OurLlama
-    from peft_pretraining.modeling_llama import build_config
+    from peft_pretraining.model.modeling_llama import LlamaForCausalLM as OurLlama
+    from peft_pretraining.model.modeling_llama import build_config
 
     torch.manual_seed(seed)
     config = build_config(TINY_CONFIG, norm_type=norm_type, num_hidden_layers=num_layers, **overrides)

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from peft_pretraining.distributed import wrap_model
-from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config
+from peft_pretraining.model.modeling_llama import LlamaForCausalLM, build_config
+from peft_pretraining.training.distributed import wrap_model
 
 REPO = Path(__file__).resolve().parent.parent
 

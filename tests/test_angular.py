@@ -17,7 +17,7 @@ from tests.analysis_helpers import (
     with_blocks,
     write_jsonl,
 )
-from utils import model_io
+from utils.instruments import model_io
 from utils.instruments.angular import AngularDistanceAccumulator, compute_angular_distances
 
 
@@ -195,7 +195,7 @@ def test_bad_flags_are_one_line_errors_naming_the_flag(tmp_path, capsys, flags, 
     assert not (tmp_path / "out").exists()
 
 
-# ----------------------------------------------------------------------------- shared helper (utils/model_io.py)
+# ----------------------------------------------------------------- shared helper (utils/instruments/model_io.py)
 def test_text_source_rule_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     assert model_io.resolve_text_source("c4", None) == ("file", model_io.EMBEDDED_HELDOUT_TEXT)  # hub unreachable
@@ -239,7 +239,7 @@ def test_windows_stop_at_exactly_num_tokens_and_never_span_documents():
 def test_local_checkpoint_without_tokenizer_falls_back_to_the_repository_one(tmp_path, capsys):
     tiny_ours("pre", 2).save_pretrained(tmp_path)
     model, tokenizer = model_io.load_model_and_tokenizer(str(tmp_path))
-    assert type(model).__module__ == "peft_pretraining.modeling_llama"
+    assert type(model).__module__ == "peft_pretraining.model.modeling_llama"
     assert len(tokenizer) == 8192 and "using" in capsys.readouterr().err
 
 

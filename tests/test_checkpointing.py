@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from peft_pretraining import checkpointing
+from peft_pretraining.training import checkpointing
 
 
 def tiny_model_and_optimizer(seed):
@@ -47,7 +47,7 @@ def test_a_failed_sharded_save_is_an_exception_the_trainer_handles(tmp_path, mon
 
     from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
-    from peft_pretraining import run_folder
+    from peft_pretraining.training import run_folder
 
     def full_disk(*args, **kwargs):
         failure = _wrap_exception(OSError(errno.ENOSPC, "No space left on device"))  # as DCP records rank 1's
@@ -77,8 +77,8 @@ def test_weights_are_copied_from_safetensors_and_mismatches_refused(tmp_path):
 def test_a_sharded_resume_keeps_this_runs_adam_kernel(tmp_path):
     """DCP's set_state_dict replaces the param groups with the saved ones, kernel flags included; the trainer loads
     inside keeping_adam_kernel, as it does for the full state dict."""
-    from peft_pretraining.checkpointing import keeping_adam_kernel
-    from peft_pretraining.optimization import build_optimizer
+    from peft_pretraining.training.checkpointing import keeping_adam_kernel
+    from peft_pretraining.training.optimization import build_optimizer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 import torchrun_main
 from peft_pretraining.exit_codes import ExitCode
-from peft_pretraining.modeling_llama import LlamaForCausalLM
+from peft_pretraining.model.modeling_llama import LlamaForCausalLM
 from tests.conftest import ONE_THREAD, TINY_RUN
 from utils.gpu import gpu_processes
 

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 import layer_remove
-from peft_pretraining.llama_export import export_to_hf_llama
+from peft_pretraining.model.llama_export import export_to_hf_llama
 from tests.analysis_helpers import heldout_documents, save_with_tokenizer, tiny_hf_llama, tiny_ours, write_jsonl
 from tests.conftest import TINY_RUN, run_trainer
-from utils import angular_analysis, finetune, model_io, variance_analysis
+from utils import angular_analysis, finetune, variance_analysis
+from utils.instruments import model_io
 
 REPO = Path(__file__).resolve().parent.parent
 TRAINED_LENGTH = 32

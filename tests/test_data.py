@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from peft_pretraining import dataloader as data
-from peft_pretraining import embedded_corpus as corpus
+from peft_pretraining.data import dataloader as data
+from peft_pretraining.data import embedded_corpus as corpus
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 AUSTEN = REPO.parent / "shared" / "data" / "austen"
@@ -547,8 +547,8 @@ def test_hub_code_path_on_a_local_dataset_repo(tmp_path, tokenizer):
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.skipif(not AUSTEN.is_dir(), reason="raw novels not available (they live outside the repository)")
 def test_build_command_reproduces_the_shipped_corpus(tmp_path):
-    data.main(["build-embedded", "--source", str(AUSTEN), "--out_dir", str(tmp_path / "embedded"),
-               "--tokenizer_dir", str(tmp_path / "tokenizer")])
+    corpus.main(["build-embedded", "--source", str(AUSTEN), "--out_dir", str(tmp_path / "embedded"),
+                 "--tokenizer_dir", str(tmp_path / "tokenizer")])
     for split in data.EMBEDDED_SPLITS:
         rebuilt = (tmp_path / "embedded" / f"{split}.jsonl.gz").read_bytes()
         assert rebuilt == data.embedded_split_path(split).read_bytes()
@@ -558,7 +558,7 @@ def test_build_command_reproduces_the_shipped_corpus(tmp_path):
 
 def test_build_command_rejects_a_bad_source(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        data.main(["build-embedded", "--source", str(tmp_path / "missing")])
+        corpus.main(["build-embedded", "--source", str(tmp_path / "missing")])
     assert "--source" in capsys.readouterr().err
 
 

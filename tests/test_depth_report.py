@@ -17,8 +17,8 @@ from tests.analysis_helpers import (
     with_blocks,
     write_jsonl,
 )
-from utils import model_io
 from utils.depth_report import main
+from utils.instruments import model_io
 from utils.instruments.jacobian import jacobian_summary
 from utils.instruments.logit_lens import LogitLensAccumulator
 from utils.instruments.removal import remove_layer

@@ -1,4 +1,4 @@
-"""peft_pretraining/distributed.py: gradient sync under torch.compile, the collective timeout, FSDP2 precision.
+"""peft_pretraining/training/distributed.py: gradient sync under torch.compile, the collective timeout, FSDP2 precision.
 
 In-process tests use a one-rank gloo group (as torchrun_main.py does without torchrun); the FSDP2 dtypes need two
 ranks, launched through torchrun on gloo.
@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from peft_pretraining import args_utils
-from peft_pretraining.distributed import DEFAULT_TIMEOUT_MINUTES, grad_sync, init_distributed
+from peft_pretraining.training import args_utils
+from peft_pretraining.training.distributed import DEFAULT_TIMEOUT_MINUTES, grad_sync, init_distributed
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["--model_config", "configs/llama_tiny.json", "--dataset", "embedded", "--batch_size", "4", "--device", "cpu"]

@@ -25,8 +25,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-# A script whose parser lives in another module.
-PARSER_MODULE = {"torchrun_main.py": "peft_pretraining.args_utils"}
+# A script whose parser lives in another module: the trainer, and the documented `python -m peft_pretraining.X`
+# commands, entry points that run a module of peft_pretraining/data/.
+PARSER_MODULE = {"torchrun_main.py": "peft_pretraining.training.args_utils",
+                 "peft_pretraining.dataloader": "peft_pretraining.data.embedded_corpus",
+                 "peft_pretraining.wikipedia_corpus": "peft_pretraining.data.wikipedia_corpus",
+                 "peft_pretraining.lm_eval_tasks": "peft_pretraining.data.lm_eval_tasks"}
 SHELL_LANGUAGES = {"", "bash", "sh", "shell", "console", "zsh"}
 LAUNCHER_PREFIXES = ("do", "then", "else", "time", "exec", "env", "nohup")
 PLACEHOLDER = re.compile(r"\$")
@@ -214,7 +218,7 @@ def script_invocation(tokens: list[str]) -> tuple[str, list[str]] | None:
         if tokens[2] in ("torch.distributed.run", "torch.distributed.launch"):
             return _torchrun(tokens[3:])
         module_path = REPO / (tokens[2].replace(".", "/") + ".py")
-        return (tokens[2], tokens[3:]) if module_path.is_file() else None
+        return (PARSER_MODULE.get(tokens[2], tokens[2]), tokens[3:]) if module_path.is_file() else None
     if program in ("python", "python3") and len(tokens) > 1 and tokens[1].endswith(".py"):
         return _script(tokens[1], tokens[2:])
     if program == "torchrun":
@@ -356,7 +360,7 @@ FLAG_NAME = re.compile(r"(?<![\w-])(--[A-Za-z][\w-]*)")
 def our_flags() -> frozenset[str]:
     """Every option string of every parser in the repository (each script with a build_parser())."""
     flags = set()
-    scripts = [*REPO.glob("*.py"), *(REPO / "utils").rglob("*.py"), *(REPO / "peft_pretraining").glob("*.py")]
+    scripts = [*REPO.glob("*.py"), *(REPO / "utils").rglob("*.py"), *(REPO / "peft_pretraining").rglob("*.py")]
     for script in sorted(scripts):
         if "def build_parser" not in script.read_text():
             continue
@@ -415,7 +419,8 @@ def test_the_docs_show_commands_that_get_checked():
     checked = [invocation for path in doc_files() for _, command in shell_commands(path)
                for tokens in split_segments(command) if (invocation := script_invocation(tokens))]
     modules = {module for module, _ in checked}
-    assert {"peft_pretraining.args_utils", "layer_remove", "utils.angular_analysis", "utils.finetune"} <= modules
+    assert {"peft_pretraining.training.args_utils", "layer_remove", "utils.angular_analysis",
+            "utils.finetune"} <= modules
 
 
 def test_readme_keeps_the_commands_ci_reads():

@@ -18,9 +18,9 @@ import torch
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
-from peft_pretraining import modeling_llama
-from peft_pretraining.dataloader import IGNORE_INDEX
-from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config
+from peft_pretraining.data.dataloader import IGNORE_INDEX
+from peft_pretraining.model import modeling_llama
+from peft_pretraining.model.modeling_llama import LlamaForCausalLM, build_config
 from torchrun_main import causal_mask_suffices
 
 REPO = Path(__file__).resolve().parent.parent
@@ -255,8 +255,8 @@ def test_plain_attention_is_sdpa(num_kv_heads, masked):
 
 REUSE_PROBE = """
 import resource, sys, torch
-from peft_pretraining.host_memory import keep_freed_host_memory
-from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config
+from peft_pretraining.training.host_memory import keep_freed_host_memory
+from peft_pretraining.model.modeling_llama import LlamaForCausalLM, build_config
 kept = keep_freed_host_memory() if sys.argv[1] == "keep" else None
 torch.manual_seed(0)
 model = LlamaForCausalLM(build_config("configs/llama_tiny.json"))

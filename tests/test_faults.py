@@ -23,8 +23,8 @@ import torch
 from safetensors.torch import load_file
 
 import torchrun_main
-from peft_pretraining import checkpointing, run_folder
 from peft_pretraining.exit_codes import ExitCode
+from peft_pretraining.training import checkpointing, run_folder
 from tests.conftest import ONE_THREAD, TINY_RUN
 
 pytestmark = pytest.mark.e2e  # every test here starts a process
@@ -46,7 +46,7 @@ if os.environ.get("FAULT_STAGE"):
 
     # A test that times out asks for every thread's stack (SIGUSR1 would stop the trainer).
     faulthandler.register(signal.SIGUSR2, all_threads=True)
-    from peft_pretraining import checkpointing, metrics_file
+    from peft_pretraining.training import checkpointing, metrics_file
 
     stage, fault_step = os.environ["FAULT_STAGE"], int(os.environ.get("FAULT_STEP", "0"))
     real_save, real_rename, real_replace = checkpointing.save_checkpoint, os.rename, os.replace
@@ -81,7 +81,7 @@ if os.environ.get("FAULT_STAGE"):
 
     checkpointing.save_checkpoint = save_checkpoint
     if stage == "enospc_results_rank0" and os.environ.get("RANK") == "0":
-        from peft_pretraining import run_folder
+        from peft_pretraining.training import run_folder
 
         real_write_json = run_folder.write_json_atomic
 
@@ -322,7 +322,7 @@ def test_branch_into_a_folder_holding_another_run_is_refused(reference, tmp_path
 
 def test_a_run_folder_that_cannot_be_created_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
     """What the command-line check cannot foresee (here: it is skipped) is refused when the folder is created."""
-    from peft_pretraining import args_utils
+    from peft_pretraining.training import args_utils
     (tmp_path / "file").write_text("not a folder")
     monkeypatch.setattr(args_utils, "check_save_dir", lambda save_dir: None, raising=False)
     assert train_expecting_exit("--save_dir", tmp_path / "file" / "run") == ExitCode.BAD_INPUT

@@ -5,10 +5,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from peft_pretraining import modeling_llama as ours
-from peft_pretraining.layernorm_scaling import apply_layernorm_scaling
-from peft_pretraining.lm_eval_tasks import NEXT_SENTENCE_TASK, next_sentence_items
-from peft_pretraining.sft_data import IGNORE_INDEX, SFTCollator, format_prompt, tokenize_example
+from peft_pretraining.data.lm_eval_tasks import NEXT_SENTENCE_TASK, next_sentence_items
+from peft_pretraining.data.sft_data import IGNORE_INDEX, SFTCollator, format_prompt, tokenize_example
+from peft_pretraining.model import modeling_llama as ours
+from peft_pretraining.model.layernorm_scaling import apply_layernorm_scaling
 from utils import finetune
 
 TOKENIZER = "data/tokenizer"
@@ -210,7 +210,7 @@ def test_next_sentence_items():
 def test_next_sentence_choices_fit_the_window_they_are_scored_in(tmp_path, tokenizer):
     """The held-out novel has sentences of over 200 tokens; lm-eval refuses a choice longer than its window, so a
     model trained at 128 tokens could not be scored until choices were limited to the window."""
-    from peft_pretraining.lm_eval_tasks import build_next_sentence_task
+    from peft_pretraining.data.lm_eval_tasks import build_next_sentence_task
 
     def longest_choice(folder):
         items = [json.loads(line) for line in next(folder.glob("*.jsonl")).read_text().splitlines()]
@@ -259,7 +259,7 @@ def test_overwrite_replaces_the_earlier_run(tmp_path, hf_llama_dir, instruction_
 
 @pytest.mark.parametrize("flag", ["HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"])
 def test_each_offline_flag_alone_means_the_hub_is_not_used(flag, monkeypatch):
-    from utils import model_io
+    from utils.instruments import model_io
 
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.delenv(name, raising=False)

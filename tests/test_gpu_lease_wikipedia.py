@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from peft_pretraining import wikipedia_corpus
+from peft_pretraining.data import wikipedia_corpus
 from utils import depth_sweep
 from utils.gpu import gpu_carry
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import datasets
 import pytest
 
-from peft_pretraining.dataloader import build_train_stream, load_tokenizer
+from peft_pretraining.data.dataloader import build_train_stream, load_tokenizer
 from utils.offline_fixtures import C4_CONFIG, T5_EXTRA_IDS, T5_VOCAB_SIZE, write_c4_layout, write_t5_style_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent

@@ -20,7 +20,8 @@ from tests.analysis_helpers import (
     with_blocks,
     write_jsonl,
 )
-from utils import jacobian_analysis, model_io
+from utils import jacobian_analysis
+from utils.instruments import model_io
 from utils.instruments.jacobian import TokenSample, jacobian_summary, measure_jacobians, sample_tokens
 from utils.jacobian_analysis import main
 

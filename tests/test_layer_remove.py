@@ -25,7 +25,7 @@ from tests.analysis_helpers import (
     tiny_ours,
     write_jsonl,
 )
-from utils import model_io
+from utils.instruments import model_io
 from utils.instruments.removal import layer_removed, remove_layer
 
 INPUT_IDS = torch.randint(3, 8192, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -299,7 +299,7 @@ def test_bad_sweep_flags_are_one_line_errors(extra, flag, tmp_path, capsys):
 
 def test_a_checkpoint_saved_with_lns_hooks_is_analysed_and_pruned_with_them(tmp_path):
     """finetune.py's intermediate checkpoints keep the hooks unfolded and say so in their config."""
-    from peft_pretraining.layernorm_scaling import apply_layernorm_scaling
+    from peft_pretraining.model.layernorm_scaling import apply_layernorm_scaling
 
     hooked = apply_layernorm_scaling(tiny_hf_llama(num_layers=3))
     model_dir = save_with_tokenizer(hooked, tmp_path / "model")
@@ -343,7 +343,7 @@ def test_the_heldout_task_states_its_aggregations(tmp_path, caplog):
 
     from lm_eval.tasks import get_task_dict
 
-    from peft_pretraining import lm_eval_tasks
+    from peft_pretraining.data import lm_eval_tasks
 
     text = write_jsonl(tmp_path / "heldout.jsonl", [document[:200] for document in heldout_documents(2)])
     include = lm_eval_tasks.build_local_tasks([lm_eval_tasks.HELDOUT_PERPLEXITY_TASK], tmp_path / "tasks",
@@ -378,18 +378,18 @@ def test_a_fresh_checkpoint_loads_its_tokenizer_with_no_question_and_no_model_ty
               "try:\n    AutoModelForCausalLM.from_pretrained(path)\n"
               "except ValueError as err:\n    print('REFUSED' if 'trust_remote_code' in str(err) else err)\n"
               "print('IMPORT', file=sys.stderr)\n"
-              "import peft_pretraining.modeling_llama\n"
+              "import peft_pretraining.model.modeling_llama\n"
               "print(type(AutoTokenizer.from_pretrained(path)).__name__)\n"
-              "from utils import model_io\n"
+              "from utils.instruments import model_io\n"
               "print(model_io.load_tokenizer(path).name_or_path == path)\n"  # its own, not the repository's fallback
-              "from peft_pretraining import dataloader\n"  # the trainer's --tokenizer <checkpoint>
+              "from peft_pretraining.data import dataloader\n"  # the trainer's --tokenizer <checkpoint>
               "print(type(dataloader.load_tokenizer(path)).__name__)\n"
               "print(type(AutoModelForCausalLM.from_pretrained(path)).__module__)\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                             stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["TokenizersBackend", "REFUSED", "TokenizersBackend", "True", "TokenizersBackend",
-                                     "peft_pretraining.modeling_llama"]
+                                     "peft_pretraining.model.modeling_llama"]
     before_import, after_import = result.stderr.split("IMPORT")
     assert before_import.count("PROMPTED") == 1  # only the model without trust_remote_code asks
     assert "PROMPTED" not in after_import and "Do you wish" not in after_import

@@ -18,8 +18,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from peft_pretraining import modeling_llama as ours
-from peft_pretraining.layernorm_scaling import (
+from peft_pretraining.model import modeling_llama as ours
+from peft_pretraining.model.layernorm_scaling import (
     apply_layernorm_scaling,
     fold_layernorm_scaling,
     has_layernorm_scaling,

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from tests.analysis_helpers import heldout_documents, repo_tokenizer, save_with_tokenizer, tiny_ours, write_jsonl
-from utils import model_io
-from utils.instruments import measure, removal_sweep
+from utils.instruments import measure, model_io, removal_sweep
 from utils.instruments.angular import accumulate
 from utils.instruments.jacobian import measure_jacobians, sample_tokens
 from utils.instruments.logit_lens import LogitLensAccumulator
@@ -132,7 +131,7 @@ def test_a_checkpoints_record_is_the_one_the_tools_made(tmp_path, probes):
 
 
 def test_the_sweep_skips_lm_evals_environment_report_and_changes_no_number(tmp_path, monkeypatch):
-    from peft_pretraining import lm_eval_tasks
+    from peft_pretraining.data import lm_eval_tasks
 
     model, tokenizer = tiny_ours("pre", num_layers=2), repo_tokenizer()
     text = write_jsonl(tmp_path / "heldout.jsonl", [document[:200] for document in heldout_documents(2)])

@@ -1,7 +1,7 @@
 """utils/memory_estimate.py: the activation formula against the bytes autograd really saves (CPU, tiny config)."""
 import pytest
 
-from peft_pretraining.modeling_llama import build_config
+from peft_pretraining.model.modeling_llama import build_config
 from utils.memory_estimate import DTYPES, measure_saved_bytes, saved_activation_bytes
 
 

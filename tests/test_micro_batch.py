@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 
 import torchrun_main
-from peft_pretraining import args_utils, head_losses
-from peft_pretraining.distributed import init_distributed
+from peft_pretraining.model import head_losses
+from peft_pretraining.training import args_utils
+from peft_pretraining.training.distributed import init_distributed
 
 TOTAL = 8
 RTOL = 1e-5  # fp32 summation order; rows are padded, so a plain mean of micro-batch means is off by far more

@@ -9,8 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
-from peft_pretraining.llama_export import EXPORTABLE_PLACEMENTS, export_to_hf_llama
-from peft_pretraining.modeling_llama import (
+from peft_pretraining.model.llama_export import EXPORTABLE_PLACEMENTS, export_to_hf_llama
+from peft_pretraining.model.modeling_llama import (
     DEFAULT_LAYERSCALE_INIT,
     INIT_METHODS,
     NORM_TYPES,
@@ -474,7 +474,7 @@ def test_the_model_tells_transformers_that_its_attention_is_sdpa(tmp_path):
 def test_export_copies_the_tokenizer_without_a_question_or_a_model_type_warning(tmp_path):
     from transformers import AutoTokenizer
 
-    from peft_pretraining.dataloader import TOKENIZER_DIR
+    from peft_pretraining.data.dataloader import TOKENIZER_DIR
 
     tiny_model("lns").save_pretrained(tmp_path / "ckpt")
     AutoTokenizer.from_pretrained(str(TOKENIZER_DIR)).save_pretrained(tmp_path / "ckpt")

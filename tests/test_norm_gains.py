@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from peft_pretraining import metrics_file, norm_gains, optimization
+from peft_pretraining.training import metrics_file, norm_gains, optimization
 from tests.analysis_helpers import tiny_ours
 from tests.conftest import TINY_RUN, run_trainer
 

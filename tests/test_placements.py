@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from peft_pretraining import modeling_llama
-from peft_pretraining.modeling_llama import NORM_TYPES, LlamaForCausalLM, build_config
+from peft_pretraining.model import modeling_llama
+from peft_pretraining.model.modeling_llama import NORM_TYPES, LlamaForCausalLM, build_config
 from tests.test_model import TINY, random_tokens
 from utils.instruments.removal import remove_layer
 
@@ -422,7 +422,7 @@ def toy_row(monkeypatch):
 
 
 def test_a_toy_row_reaches_the_trainer_the_model_and_a_study(toy_row):
-    from peft_pretraining import args_utils
+    from peft_pretraining.training import args_utils
     from utils import compare_norms
 
     parser = args_utils.build_parser()
@@ -540,7 +540,7 @@ def test_stream_placement_trains_saves_resumes_and_loads(norm_type, tmp_path, mo
     from transformers import AutoModelForCausalLM
 
     from peft_pretraining.exit_codes import ExitCode
-    from peft_pretraining.llama_export import export_to_hf_llama
+    from peft_pretraining.model.llama_export import export_to_hf_llama
     from tests.test_training import train_in_process
 
     run_dir = tmp_path / "run"
@@ -581,7 +581,8 @@ def test_the_studys_measures_skip_block_jacobians_where_the_stream_is_no_running
     """A block Jacobian perturbs the tensor a block passes on, which AttnRes and mHC do not pass: the study's one
     measurement call records none (its other measures still run), and jacobian_analysis.py says so in one line."""
     from tests.analysis_helpers import save_with_tokenizer
-    from utils import jacobian_analysis, model_io
+    from utils import jacobian_analysis
+    from utils.instruments import model_io
     from utils.instruments.jacobian import NO_BLOCK_JACOBIAN, stream_is_a_running_sum
     from utils.instruments.measure import MeasureSettings, measure_model
 

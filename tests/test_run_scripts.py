@@ -147,8 +147,8 @@ def test_the_chunked_loss_is_the_models_loss(monkeypatch):
     forward as the trainer calls it."""
     import torch
 
-    from peft_pretraining import head_losses
-    from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config
+    from peft_pretraining.model import head_losses
+    from peft_pretraining.model.modeling_llama import LlamaForCausalLM, build_config
 
     monkeypatch.setattr(head_losses, "CHUNK_TOKENS", 7)
     torch.manual_seed(0)

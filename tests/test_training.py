@@ -15,13 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from peft_pretraining import args_utils
-from peft_pretraining.checkpointing import drop_training_state, prune_checkpoints
-from peft_pretraining.dataloader import build_train_stream, count_target_tokens, iter_eval_batches, load_tokenizer
-from peft_pretraining.evaluation import evaluate
+from peft_pretraining.data.dataloader import build_train_stream, count_target_tokens, iter_eval_batches, load_tokenizer
 from peft_pretraining.exit_codes import ExitCode
-from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config
-from peft_pretraining.optimization import build_scheduler, lr_factor
+from peft_pretraining.model.modeling_llama import LlamaForCausalLM, build_config
+from peft_pretraining.training import args_utils
+from peft_pretraining.training.checkpointing import drop_training_state, prune_checkpoints
+from peft_pretraining.training.evaluation import evaluate
+from peft_pretraining.training.optimization import build_scheduler, lr_factor
 from tests.conftest import ONE_THREAD, TINY_RUN, run_trainer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -490,7 +490,7 @@ def train_in_process(extra, run_dir, monkeypatch):
 @pytest.mark.parametrize("arm", [pytest.param(arm, marks=() if arm == "skipinit" else pytest.mark.e2e)
                                  for arm in BASELINE_ARMS])
 def test_each_baseline_trains_and_its_checkpoint_rebuilds_it(arm, tmp_path, monkeypatch):
-    from utils import model_io
+    from utils.instruments import model_io
 
     extra = BASELINE_ARMS[arm]
     run_dir = tmp_path / "run"
@@ -575,8 +575,8 @@ def test_the_adam_kernel_is_a_flag_and_a_resume_keeps_this_runs_choice():
     weights part after a few steps. A loaded checkpoint's param groups must not bring back the kernel it used."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    from peft_pretraining.checkpointing import load_optimizer_state
-    from peft_pretraining.optimization import build_optimizer
+    from peft_pretraining.training.checkpointing import load_optimizer_state
+    from peft_pretraining.training.optimization import build_optimizer
 
     tokens = torch.randint(0, 8192, (2, 16), generator=torch.Generator().manual_seed(0))
     trained = {}

@@ -15,7 +15,7 @@ from tests.analysis_helpers import (
     with_blocks,
     write_jsonl,
 )
-from utils import model_io
+from utils.instruments import model_io
 from utils.instruments.variance import residual_statistics
 
 INPUT_IDS = torch.randint(3, 8192, (3, 10), generator=torch.Generator().manual_seed(0))

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from peft_pretraining import wikipedia_corpus
+from peft_pretraining.data import wikipedia_corpus
 
 SOURCE_VARIABLE = "WIKIPEDIA_SOURCE"
 SHORT = wikipedia_corpus.MIN_ARTICLE_CHARS

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from peft_pretraining import wikipedia_corpus
-from peft_pretraining.embedded_corpus import write_jsonl_gz
+from peft_pretraining.data import wikipedia_corpus
+from peft_pretraining.data.embedded_corpus import write_jsonl_gz
 from tests.conftest import REPO, TINY_RUN, run_trainer
 
 needs_corpus = pytest.mark.skipif(not (wikipedia_corpus.DEFAULT_WIKIPEDIA_DIR / "train").is_dir(),
@@ -58,7 +58,7 @@ def test_tokenizer_is_trained_on_the_train_split_only(corpus, tmp_path):
 
 
 def test_absent_corpus_is_one_line_naming_its_source_and_the_way_around(tmp_path, monkeypatch, capsys):
-    from peft_pretraining.args_utils import parse_args
+    from peft_pretraining.training.args_utils import parse_args
 
     monkeypatch.setenv(wikipedia_corpus.DATA_DIR_VARIABLE, str(tmp_path / "nowhere"))
     with pytest.raises(SystemExit) as exit_info:
@@ -72,7 +72,7 @@ def test_absent_corpus_is_one_line_naming_its_source_and_the_way_around(tmp_path
 
 
 def test_the_named_dataset_reads_the_folder_the_variable_names(corpus):
-    from peft_pretraining.args_utils import parse_args
+    from peft_pretraining.training.args_utils import parse_args
 
     args = parse_args([*TINY_RUN, "--dataset", "wikipedia"])
     assert args.dataset_path == str(corpus / "train") and args.tokenizer == "wikipedia"
@@ -82,7 +82,7 @@ def test_the_named_dataset_reads_the_folder_the_variable_names(corpus):
 
 
 def test_committed_tokenizer_loads_by_name():
-    from peft_pretraining.dataloader import load_tokenizer
+    from peft_pretraining.data.dataloader import load_tokenizer
 
     tokenizer = load_tokenizer("wikipedia")
     assert len(tokenizer) == wikipedia_corpus.WIKIPEDIA_VOCAB_SIZE
@@ -112,7 +112,7 @@ def test_trainer_trains_and_evaluates_on_the_named_dataset(corpus, tmp_path):
 
 
 def test_updates_before_repeat_stops_where_the_smallest_lane_wraps(corpus):
-    from peft_pretraining.dataloader import build_train_stream, load_tokenizer
+    from peft_pretraining.data.dataloader import build_train_stream, load_tokenizer
 
     tokenizer = load_tokenizer("wikipedia")
     settings = dict(batch_size=2, max_length=64, seed=1)
@@ -219,7 +219,7 @@ def test_committed_tokenizer_rebuilds_from_the_corpus(tmp_path, monkeypatch):
 @needs_corpus
 @pytest.mark.e2e
 def test_single_pass_updates_are_what_the_stream_gives(monkeypatch):
-    from peft_pretraining.dataloader import load_tokenizer
+    from peft_pretraining.data.dataloader import load_tokenizer
 
     monkeypatch.delenv(wikipedia_corpus.DATA_DIR_VARIABLE, raising=False)
     (batch_size, max_length), by_seed = next(iter(wikipedia_corpus.SINGLE_PASS_UPDATES.items()))
@@ -230,7 +230,7 @@ def test_single_pass_updates_are_what_the_stream_gives(monkeypatch):
 @needs_corpus
 @pytest.mark.e2e
 def test_stored_train_token_count_is_the_corpus(monkeypatch):
-    from peft_pretraining.dataloader import load_tokenizer, tokenize_documents
+    from peft_pretraining.data.dataloader import load_tokenizer, tokenize_documents
 
     monkeypatch.delenv(wikipedia_corpus.DATA_DIR_VARIABLE, raising=False)
     texts = wikipedia_corpus.read_train_texts(wikipedia_corpus.corpus_paths()[0])

@@ -1,5 +1,5 @@
 """Command-line tools around the trainer, and the modules they share (a tool takes `--help`). A tool imports
-library modules (instruments/, study/, model_io, model_arithmetic, peft_pretraining), never another tool.
+library modules (instruments/, study/, peft_pretraining), never another tool; the top level holds tools only.
 
 Layer analyses (docs/analyses.md), on our checkpoints and on Hugging Face causal LMs:
     angular_analysis    angular distance between the residual stream at layer l and at layer l + n
@@ -8,8 +8,9 @@ Layer analyses (docs/analyses.md), on our checkpoints and on Hugging Face causal
     depth_report        every instrument on the same tokens, with the logit lens and update ratio, in one report
     (layer removal is layer_remove.py at the repository root)
     instruments/        what those measure, as library code (angular, variance, jacobian, logit_lens, removal,
-                        ...), and measure_model: every instrument on one loaded model in one call
-    model_io            the shared helper: load a model and tokenizer, feed text, capture the residual stream
+                        ...), and measure_model: every instrument on one loaded model in one call; with the
+                        helpers the tools share: model_io (load a model and tokenizer, feed text, capture the
+                        residual stream) and model_arithmetic (parameters, model FLOPs per token, GPU peaks)
 
 Studies (docs/study.md), Pre-LN against LNS and the other placements, trained and measured end to end:
     compare_norms       the CPU-scale study: every placement on one budget, with every instrument
@@ -22,8 +23,7 @@ Checkpoints and fine-tuning:
     finetune            supervised fine-tuning (full or LoRA), then zero-shot evaluation with lm-eval
 
 Estimates (docs/benchmarks.md):
-    memory_estimate     GPU memory of one training process, by formula
-    model_arithmetic    parameters, model FLOPs per token, GPU peaks: the formulas the tools share
+    memory_estimate     GPU memory of one training process, by formula (its counts: instruments/model_arithmetic)
 
 bench/                  benchmarks (docs/benchmarks.md), each figure quoted with its command and machine:
     benchmark_model     training-step throughput: ours, ours at a git revision, transformers' Llama (CPU)

@@ -6,7 +6,7 @@
 
 d(l, n) = mean over all real (non-pad) token positions of arccos(cos(h_l, h_{l+n})) / pi, where h_0 is the
 residual stream entering decoder layer 0 and h_l the stream leaving decoder layer l - 1 (forward hooks, see
-utils/model_io.py). Rows of the result are n = 1..L, columns l = 0..L-1; entries with l + n > L do not exist
+utils/instruments/model_io.py). Rows of the result are n = 1..L, columns l = 0..L-1; entries with l + n > L do not exist
 and are NaN (null in JSON, empty in CSV, masked in the heatmap).
 
 Block influence (ShortGPT, Men et al. 2024), from the same pass: BI(l) = 1 - mean over real tokens of
@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from peft_pretraining.cli import OneLineErrorParser
-from peft_pretraining.model_parts import decoder_layers
-from utils import model_io
+from peft_pretraining.model.model_parts import decoder_layers
+from utils.instruments import model_io
 from utils.instruments.angular import accumulate, ranks, spearman
 from utils.instruments.logit_lens import LogitLensAccumulator
 

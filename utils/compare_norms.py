@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from peft_pretraining.cli import OneLineErrorParser
-from peft_pretraining.modeling_llama import PLACEMENTS
+from peft_pretraining.model.modeling_llama import PLACEMENTS
 from utils.study import cli, measures, plots, report, runs, verdicts
 from utils.study.claims import CORE_CLAIMS, effect_text, loss_verdict, pair_verdicts, verdict_lines
 from utils.study.measures import by_seed

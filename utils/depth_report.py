@@ -5,7 +5,7 @@
         --model_path runs/lns/model_150 --label LNS --out runs/analysis/depth_report
 
 Each model reads the same text (--dataset / --text_file, as the other tools) in windows of its trained context
-length (utils/model_io.resolve_context_length). From those windows:
+length (utils/instruments/model_io.resolve_context_length). From those windows:
 
 - one pass of the residual stream (utils/instruments/stream.py) over the first --num_tokens tokens feeds
   the angular distance d(l, 1) and block influence (utils/instruments/angular.py), the variance
@@ -40,8 +40,8 @@ import numpy as np
 import torch
 
 from peft_pretraining.cli import OneLineErrorParser
-from peft_pretraining.model_parts import decoder_layers
-from utils import model_io
+from peft_pretraining.model.model_parts import decoder_layers
+from utils.instruments import model_io
 from utils.instruments.logit_lens import final_readout
 from utils.instruments.measure import NEXT_TOKEN_LOSS, MeasureSettings, measure_model
 from utils.study.host import cpu_model_name

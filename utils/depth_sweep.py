@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from peft_pretraining.cli import OneLineErrorParser
-from peft_pretraining.wikipedia_corpus import SINGLE_PASS_UPDATES, TRAIN_TOKENS
+from peft_pretraining.data.wikipedia_corpus import SINGLE_PASS_UPDATES, TRAIN_TOKENS
 from utils.study import claims, cli, measures, plots, report, runs, verdicts
 from utils.study.runs import RunSpec
 from utils.study.sweep import (
@@ -848,7 +848,7 @@ START_SECONDS = 40.0  # the wave's processes importing torch and reading the tok
 def estimate(args) -> dict:
     """--estimate: the runs left, their tokens and model FLOPs, the analyses, and a time estimate from
     ASSUMED_TFLOPS (a wave of --jobs runs shares one GPU: the GPU's work is their sum). Trains nothing."""
-    from utils.model_arithmetic import model_flops_per_token
+    from utils.instruments.model_arithmetic import model_flops_per_token
 
     specs = run_specs(args)
     left = set(report.plan(args, specs)["left"])

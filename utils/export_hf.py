@@ -14,12 +14,12 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from peft_pretraining.cli import OneLineErrorParser
-from peft_pretraining.layernorm_scaling import (
+from peft_pretraining.model.layernorm_scaling import (
     fold_layernorm_scaling,
     reapply_layernorm_scaling_from_config,
 )
-from peft_pretraining.llama_export import export_to_hf_llama
-from peft_pretraining.modeling_llama import LlamaForCausalLM
+from peft_pretraining.model.llama_export import export_to_hf_llama
+from peft_pretraining.model.modeling_llama import LlamaForCausalLM
 
 
 def build_parser() -> argparse.ArgumentParser:

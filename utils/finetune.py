@@ -9,7 +9,7 @@
 
 Data: LLM-Adapters records (instruction, input, output, answer); only the response tokens carry loss.
 Model: one of our checkpoints (config.json has norm_type) or any HF causal LM; --apply_lns adds LayerNorm
-Scaling to a stock Llama/Mistral/Qwen2/Qwen3 (peft_pretraining.layernorm_scaling).
+Scaling to a stock Llama/Mistral/Qwen2/Qwen3 (peft_pretraining.model.layernorm_scaling).
 Outputs under --output_dir: adapter/ (LoRA) or model/ (full), merged/ (LoRA with --save_merged),
 checkpoint-<step>/ every --save_every updates, train_metrics.jsonl + train_loss.png, and
 results.{json,csv,png} with a markdown table printed at the end.
@@ -30,29 +30,35 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from peft_pretraining.cli import OneLineErrorParser
-from peft_pretraining.layernorm_scaling import (
-    apply_layernorm_scaling,
-    fold_layernorm_scaling,
-    has_layernorm_scaling,
-)
-from peft_pretraining.lm_eval_tasks import (
+from peft_pretraining.data.lm_eval_tasks import (
     EMBEDDED_HELDOUT,
     LOCAL_TASK_BUILDERS,
     NEXT_SENTENCE_TASK,
     build_local_tasks,
 )
-from peft_pretraining.metrics_file import MetricsFile
-from peft_pretraining.optimization import build_scheduler
-from peft_pretraining.plots import plot_loss_curve
-from peft_pretraining.rng import seed_everything
-from peft_pretraining.sft_data import (
+from peft_pretraining.data.sft_data import (
     IGNORE_INDEX,
     SFTCollator,
     load_instruction_dataset,
     tokenize_dataset,
 )
-from peft_pretraining.wandb_logging import init_wandb
-from utils.model_io import bad_input, hub_is_reachable, load_model_and_tokenizer, resolve_context_length, resolve_device
+from peft_pretraining.model.layernorm_scaling import (
+    apply_layernorm_scaling,
+    fold_layernorm_scaling,
+    has_layernorm_scaling,
+)
+from peft_pretraining.training.metrics_file import MetricsFile
+from peft_pretraining.training.optimization import build_scheduler
+from peft_pretraining.training.plots import plot_loss_curve
+from peft_pretraining.training.rng import seed_everything
+from peft_pretraining.training.wandb_logging import init_wandb
+from utils.instruments.model_io import (
+    bad_input,
+    hub_is_reachable,
+    load_model_and_tokenizer,
+    resolve_context_length,
+    resolve_device,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

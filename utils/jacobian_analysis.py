@@ -48,7 +48,7 @@ from typing import Sequence
 import numpy as np
 
 from peft_pretraining.cli import OneLineErrorParser
-from utils import model_io
+from utils.instruments import model_io
 from utils.instruments.jacobian import (
     DEFAULT_PROBES,
     EXACT_MAX_HIDDEN,

@@ -31,10 +31,10 @@ from unittest import mock
 
 import torch
 
-from peft_pretraining import modeling_llama
 from peft_pretraining.cli import OneLineErrorParser
-from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config
-from utils.model_arithmetic import parameter_count
+from peft_pretraining.model import modeling_llama
+from peft_pretraining.model.modeling_llama import LlamaForCausalLM, build_config
+from utils.instruments.model_arithmetic import parameter_count
 
 REPO = Path(__file__).resolve().parent.parent
 GB = 1e9

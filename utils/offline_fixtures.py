@@ -24,7 +24,7 @@ import json
 import pathlib
 
 from peft_pretraining.cli import OneLineErrorParser
-from peft_pretraining.dataloader import embedded_split_path, write_jsonl_gz
+from peft_pretraining.data.dataloader import embedded_split_path, write_jsonl_gz
 
 C4_CONFIG = "en"
 C4_README = """---

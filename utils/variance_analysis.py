@@ -3,9 +3,10 @@
     python utils/variance_analysis.py --model_paths checkpoints/pre_130m checkpoints/lns_130m --labels Pre-LN LNS
 
 Depth 0 is the stream entering decoder layer 0 (the embeddings), depth l the stream leaving decoder layer l - 1,
-captured with forward hooks (utils/model_io.py), before the final norm. For each depth, over all real tokens and
-all hidden channels pooled: variance = E[h^2] - E[h]^2 and rms = sqrt(E[h^2]), accumulated in float64 batch by
-batch. This is the paper's "output variance per layer" (Pre-LN grows with depth, LayerNorm Scaling keeps it flat).
+captured with forward hooks (utils/instruments/model_io.py), before the final norm. For each depth, over all real
+tokens and all hidden channels pooled: variance = E[h^2] - E[h]^2 and rms = sqrt(E[h^2]), accumulated in float64
+batch by batch. This is the paper's "output variance per layer" (Pre-LN grows with depth, LayerNorm Scaling keeps it
+flat).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from peft_pretraining.cli import OneLineErrorParser
-from utils import model_io
+from utils.instruments import model_io
 from utils.instruments.variance import residual_statistics
 
 

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from peft_pretraining.cli import OneLineErrorParser
-from utils import model_io
+from utils.instruments import model_io
 from utils.instruments.angular import compute_angular_distances
 
 SMOLLM_135M_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,

@@ -9,9 +9,9 @@ Loader: the embedded corpus, padding and packing, `--loader_batches` micro-batch
 Streaming reader (`--streaming`): on a local fixture of `--shards` jsonl.gz shards made in a temporary folder,
 documents read from the files per document used over one epoch (read amplification) for several `--workers`, and the
 time from `load_state_dict` at a late position (`--resume_at` of the epoch) to the first batch. `--compare_with OLD.py`
-runs the same measurements with another version of peft_pretraining/dataloader.py, interleaved with this one:
+runs the same measurements with another version of peft_pretraining/data/dataloader.py, interleaved with this one:
 
-    git show <commit>:peft_pretraining/dataloader.py > /tmp/dataloader_old.py
+    git show <commit>:peft_pretraining/data/dataloader.py > /tmp/dataloader_old.py
     python utils/bench/benchmark_dataloader.py --streaming --compare_with /tmp/dataloader_old.py
 """
 import argparse
@@ -27,8 +27,8 @@ import time
 import torch
 from tqdm import tqdm
 
-from peft_pretraining import dataloader as data
 from peft_pretraining.cli import OneLineErrorParser
+from peft_pretraining.data import dataloader as data
 
 
 def measure_loader(tokenizer, *, packing: bool, max_length: int, batch_size: int, batches: int,
@@ -52,7 +52,7 @@ def measure_loader(tokenizer, *, packing: bool, max_length: int, batch_size: int
 
 
 def measure_training(config_path: str, *, max_length: int, batch_size: int, steps: int, vocab_limit: int) -> dict:
-    from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config
+    from peft_pretraining.model.modeling_llama import LlamaForCausalLM, build_config
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(build_config(config_path, norm_type="pre"))
@@ -218,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     streaming.add_argument("--resume_at", type=float, default=0.9, help="fraction of the epoch used before resuming")
     streaming.add_argument("--resume_workers", type=int, default=2)
     streaming.add_argument("--repeats", type=int, default=3)
-    streaming.add_argument("--compare_with", default=None, help="another version of peft_pretraining/dataloader.py")
+    streaming.add_argument("--compare_with", default=None,
+                           help="another version of peft_pretraining/data/dataloader.py")
     return parser
 
 

@@ -8,11 +8,11 @@ utils/bench/benchmark_model.py).
         --batch_size 64 128
     python utils/bench/benchmark_gpu.py --device cpu --configs configs/llama_tiny.json --batch_size 2   # a rehearsal
 
---losses compares the trainer's --loss ways of computing the lm_head and its loss (peft_pretraining/head_losses.py:
-standard, chunked, liger; the same function). With more than one, every row also carries the loss of its first step
-(`first_loss`) and that of the same model and tokens in fp32 (`fp32_loss`), so that the fastest loss within
-head_losses.LOSS_TOLERANCE of fp32 can be adopted. Several --batch_size values measure a larger micro-batch (the
-trainer keeps the total batch through accumulation).
+--losses compares the trainer's --loss ways of computing the lm_head and its loss
+(peft_pretraining/model/head_losses.py: standard, chunked, liger; the same function). With more than one, every row
+also carries the loss of its first step (`first_loss`) and that of the same model and tokens in fp32 (`fp32_loss`), so
+that the fastest loss within head_losses.LOSS_TOLERANCE of fp32 can be adopted. Several --batch_size values measure a
+larger micro-batch (the trainer keeps the total batch through accumulation).
 
 --device cpu runs the same code on the CPU, for utils/gpu/gpu_check.py's rehearsal only: its times and memory mean
 nothing, and it has no MFU.
@@ -34,11 +34,11 @@ from pathlib import Path
 
 import torch
 
-from peft_pretraining import optimization
 from peft_pretraining.cli import OneLineErrorParser
-from peft_pretraining.head_losses import HEAD_LOSSES, liger_import_error
-from peft_pretraining.modeling_llama import NORM_TYPES, LlamaForCausalLM, build_config
-from utils.model_arithmetic import PAPER_MICRO_BATCH, dense_bf16_peak_tflops, model_flops_per_token
+from peft_pretraining.model.head_losses import HEAD_LOSSES, liger_import_error
+from peft_pretraining.model.modeling_llama import NORM_TYPES, LlamaForCausalLM, build_config
+from peft_pretraining.training import optimization
+from utils.instruments.model_arithmetic import PAPER_MICRO_BATCH, dense_bf16_peak_tflops, model_flops_per_token
 
 REPO = Path(__file__).resolve().parents[2]
 def random_tokens(config, batch: int, seq_len: int, device) -> torch.Tensor:

@@ -5,7 +5,7 @@ Five sections; all but profile print the median and the spread (min-max) of ever
 * model: one step = forward + loss + backward + grad clipping 1.0 + fused Adam, on random tokens (no padding).
   Each model runs eager and through torch.compile, in fp32 and under bf16 autocast with fp32 weights ("mixed").
   All variants of one (config, dtype) live in one process and are timed in interleaved repeats, so drifts in
-  machine load hit them alike. "before" is `peft_pretraining/modeling_llama.py` read from `--before`; "hf" is
+  machine load hit them alike. "before" is `peft_pretraining/model/modeling_llama.py` read from `--before`; "hf" is
   transformers' Llama with its default SDPA attention, "hf_eager_attn" the same with attn_implementation="eager"
   (attention in plain torch ops, which inductor can fuse): both are candidates for HF's fastest.
 * trainer: the real `torchrun_main.py` on the embedded corpus with the CPU study's own flags (its Pre-LN seed-1 run
@@ -61,10 +61,10 @@ from tqdm import tqdm
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
-from peft_pretraining import modeling_llama
 from peft_pretraining.cli import OneLineErrorParser
-from peft_pretraining.host_memory import keep_freed_host_memory
-from peft_pretraining.optimization import build_optimizer
+from peft_pretraining.model import modeling_llama
+from peft_pretraining.training.host_memory import keep_freed_host_memory
+from peft_pretraining.training.optimization import build_optimizer
 from utils.study.host import bf16_instructions, cpu_model_name
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,9 +81,14 @@ BENCHMARK_FLAGS = ("--model_config", "--dtype", "--num_training_steps", "--warmu
 
 # ---------------------------------------------------------------------------------------------------- helpers
 def load_model_module(revision: str):
-    """peft_pretraining/modeling_llama.py as it was at `revision`, imported as a separate module."""
-    source = subprocess.run(["git", "show", f"{revision}:peft_pretraining/modeling_llama.py"], cwd=REPO,
-                            capture_output=True, text=True, check=True).stdout
+    """peft_pretraining/model/modeling_llama.py as it was at `revision` (peft_pretraining/modeling_llama.py before the
+    package was split into rooms), imported as a separate module."""
+    for where in ("peft_pretraining/model/modeling_llama.py", "peft_pretraining/modeling_llama.py"):
+        shown = subprocess.run(["git", "show", f"{revision}:{where}"], cwd=REPO, capture_output=True, text=True)
+        if shown.returncode == 0:
+            break
+    shown.check_returncode()
+    source = shown.stdout
     path = Path(tempfile.mkdtemp(prefix="modeling_before_")) / "modeling_llama_before.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("modeling_llama_before", path)

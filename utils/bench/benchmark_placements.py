@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from peft_pretraining.cli import OneLineErrorParser
-from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config, norm_types
+from peft_pretraining.model.modeling_llama import LlamaForCausalLM, build_config, norm_types
 
 REPO = Path(__file__).resolve().parents[2]
 

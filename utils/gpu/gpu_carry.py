@@ -78,7 +78,7 @@ def check_travel(repo: Path, carry: list[str], limit_mib: float = TRAVEL_LIMIT_M
 
 def corpus_files(folder: Path) -> list[Path]:
     """The corpus's files, relative to its folder, in name order: train/*.jsonl[.gz] and the validation file."""
-    from peft_pretraining.wikipedia_corpus import corpus_paths, train_files
+    from peft_pretraining.data.wikipedia_corpus import corpus_paths, train_files
 
     train, validation = corpus_paths(folder)
     return [p.relative_to(folder) for p in (*train_files(train), validation)]
@@ -118,8 +118,8 @@ def unpack_corpus(archive: Path, out: Path) -> list[Path]:
 def write_rehearsal_corpus(out: Path, shards: int = 3, articles_per_shard: int = 40) -> Path:
     """A tiny corpus of the Wikipedia corpus's shape (train/wiki_NN.jsonl.gz, validation.jsonl.gz) cut from the
     embedded novels' records, for the CPU rehearsal: offline, and the same on every machine."""
-    from peft_pretraining.embedded_corpus import EMBEDDED_DIR, write_jsonl_gz
-    from peft_pretraining.wikipedia_corpus import TRAIN_FOLDER, VALIDATION_FILE, train_shard_name
+    from peft_pretraining.data.embedded_corpus import EMBEDDED_DIR, write_jsonl_gz
+    from peft_pretraining.data.wikipedia_corpus import TRAIN_FOLDER, VALIDATION_FILE, train_shard_name
 
     def first_texts(split: str, count: int) -> list[str]:  # read directly: the loader's imports take seconds
         with gzip.open(EMBEDDED_DIR / f"{split}.jsonl.gz", "rt", encoding="utf-8") as handle:
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
         return 0 if fits else 1
     if args.command == "pack_corpus":
-        from peft_pretraining.wikipedia_corpus import wikipedia_dir
+        from peft_pretraining.data.wikipedia_corpus import wikipedia_dir
 
         folder = Path(args.corpus) if args.corpus else wikipedia_dir()
         try:

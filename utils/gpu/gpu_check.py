@@ -39,8 +39,8 @@ import time
 from pathlib import Path
 
 from peft_pretraining.cli import OneLineErrorParser
-from peft_pretraining.head_losses import LOSS_TOLERANCE, liger_import_error
-from utils.model_arithmetic import PAPER_MICRO_BATCH, dense_bf16_peak_tflops, model_flops_per_token
+from peft_pretraining.model.head_losses import LOSS_TOLERANCE, liger_import_error
+from utils.instruments.model_arithmetic import PAPER_MICRO_BATCH, dense_bf16_peak_tflops, model_flops_per_token
 
 REPO = Path(__file__).resolve().parents[2]
 STAGES = ["recipes", "fsdp_resume", "bare_steps", "micro_batch", "losses", "eager_1b"]

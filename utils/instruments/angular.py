@@ -1,8 +1,8 @@
 """Angular distance between the residual stream at every pair of depths, and block influence, over real tokens.
 
 d(l, n) = mean over real (non-pad) token positions of arccos(cos(h_l, h_{l+n})) / pi, where h_0 is the stream
-entering decoder layer 0 and h_l the stream leaving layer l - 1 (utils/model_io.ResidualStream). Block influence
-(ShortGPT, Men et al. 2024) from the same pass: BI(l) = 1 - mean over real tokens of cos(h_l, h_{l+1}).
+entering decoder layer 0 and h_l the stream leaving layer l - 1 (utils/instruments/model_io.ResidualStream). Block
+influence (ShortGPT, Men et al. 2024) from the same pass: BI(l) = 1 - mean over real tokens of cos(h_l, h_{l+1}).
 Command line: utils/angular_analysis.py.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from utils import model_io
+from utils.instruments import model_io
 
 # Bytes of float64 cosine work per chunk of tokens; bounds memory whatever the model size.
 _CHUNK_BYTES = 256 * 1024 * 1024

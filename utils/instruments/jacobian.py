@@ -20,7 +20,7 @@ from torch import nn
 from torch.func import functional_call
 from tqdm.auto import tqdm
 
-from utils import model_io
+from utils.instruments import model_io
 
 EXACT_MAX_HIDDEN = 512  # above this hidden size the default is the probe estimate
 DEFAULT_PROBES = 16
@@ -77,7 +77,7 @@ NO_BLOCK_JACOBIAN = "not defined: the residual stream is not a running sum (docs
 def stream_is_a_running_sum(model) -> bool:
     """Whether each block maps the residual stream x to x + F(x), so that its Jacobian is defined: true of any HF
     causal LM and of every placement here but those with a stream of their own (AttnRes, mHC)."""
-    from peft_pretraining.modeling_llama import ResidualSum
+    from peft_pretraining.model.modeling_llama import ResidualSum
 
     stream = getattr(getattr(model, "model", None), "residual_stream", None)
     return stream is None or isinstance(stream, ResidualSum)

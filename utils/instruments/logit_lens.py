@@ -2,7 +2,7 @@
 with the final layer's next-token distribution. Per depth, KL(final || depth l) and the top-1 agreement; per token,
 the prediction depth, the first layer from which its top-1 token agrees with the final one and stays.
 
-Fed the states of utils/model_io.ResidualStream by utils/depth_report.py and by utils/angular_analysis.py
+Fed the states of utils/instruments/model_io.ResidualStream by utils/depth_report.py and by utils/angular_analysis.py
 --logit_lens (in the same pass as their other measures), and through the latter by the study's analyses.
 """
 from __future__ import annotations

@@ -3,7 +3,8 @@
     measured = measure_model(model, tokenizer, MeasureSettings(max_seq_len=128, stream_tokens=8192,
                              jacobian_tokens=32, jacobian_probes=8, removal_documents=16))
 
-From the text, in windows of max_seq_len tokens (each opened with the tokenizer's prefix, utils/model_io.py):
+From the text, in windows of max_seq_len tokens (each opened with the tokenizer's prefix,
+utils/instruments/model_io.py):
 
 - one pass of the residual stream over its first stream_tokens tokens (utils/instruments/stream.py): the angular
   distances d(l, n) and block influence, the variance and RMS per depth, the update ratio per block and the logit lens;
@@ -25,7 +26,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from utils import model_io
+from utils.instruments import model_io
 from utils.instruments.jacobian import NO_BLOCK_JACOBIAN, measure_jacobians, sample_tokens, stream_is_a_running_sum
 from utils.instruments.norm_gains import norm_gains
 from utils.instruments.removal_loss import measure_removal
@@ -56,7 +57,7 @@ class MeasureSettings:
 
 
 def text_source(settings: MeasureSettings) -> tuple[str, Path]:
-    """The stream's and the Jacobians' text, as utils/model_io.resolve_text_source names it."""
+    """The stream's and the Jacobians' text, as utils/instruments/model_io.resolve_text_source names it."""
     if settings.source is not None:
         return settings.source
     return "file", Path(settings.text_file) if settings.text_file else model_io.EMBEDDED_HELDOUT_TEXT

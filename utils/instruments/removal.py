@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 
-from peft_pretraining.model_parts import decoder_layers, is_our_config
+from peft_pretraining.model.model_parts import decoder_layers, is_our_config
 
 # Config attributes holding one entry per layer; the removed layer's entry is dropped.
 PER_LAYER_CONFIG_KEYS = ("layer_types", "layer_norm_types", "layer_depths")
@@ -39,7 +39,7 @@ def remove_layer(model, layer_index: int):
     check_layer_index(layer_index, len(layers))
     config = model.config
     if is_our_config(config):
-        from peft_pretraining.modeling_llama import freeze_layer_plan
+        from peft_pretraining.model.modeling_llama import freeze_layer_plan
 
         freeze_layer_plan(config)  # pin every layer's placement and depth before the positions shift
     for key in PER_LAYER_CONFIG_KEYS:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from peft_pretraining.model_parts import decoder_layers
+from peft_pretraining.model.model_parts import decoder_layers
 from utils.instruments.removal import layer_removed
 
 

@@ -10,8 +10,8 @@ from unittest import mock
 
 from tqdm.auto import tqdm
 
-from peft_pretraining import lm_eval_tasks
-from peft_pretraining.model_parts import decoder_layers
+from peft_pretraining.data import lm_eval_tasks
+from peft_pretraining.model.model_parts import decoder_layers
 from utils.instruments.removal import check_layer_index, layer_removed
 
 # HFLM warns this whenever it is handed a model object rather than a name; the sweep does so on purpose (one process,

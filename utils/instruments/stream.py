@@ -1,5 +1,5 @@
-"""One pass of the residual stream (utils/model_io.ResidualStream) feeding every per-depth accumulator at once: the
-angular distances and block influence, the variance and RMS, the logit lens and the update ratio
+"""One pass of the residual stream (utils/instruments/model_io.ResidualStream) feeding every per-depth accumulator at
+once: the angular distances and block influence, the variance and RMS, the logit lens and the update ratio
 ||h_{l+1} - h_l|| / ||h_l|| of each block. The same states in the same pass give the numbers each would give alone.
 """
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-from utils import model_io
+from utils.instruments import model_io
 from utils.instruments.angular import AngularDistanceAccumulator
 from utils.instruments.logit_lens import LogitLensAccumulator
 from utils.instruments.variance import StreamStatistics

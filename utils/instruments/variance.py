@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from utils import model_io
+from utils.instruments import model_io
 
 
 class StreamStatistics:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from peft_pretraining.run_folder import write_json_atomic
-from utils import model_io
+from peft_pretraining.training.run_folder import write_json_atomic
+from utils.instruments import model_io
 from utils.instruments.measure import MeasureSettings, measure_model
 from utils.study.runs import DEFAULT_DATASET, AnalysisSettings
 
@@ -25,7 +25,7 @@ def heldout_text_file(heldout: str) -> str | None:
     """The analyses' held-out text: None for the embedded novel, else the study dataset's validation split."""
     if heldout == DEFAULT_DATASET:
         return None
-    from peft_pretraining.wikipedia_corpus import corpus_paths
+    from peft_pretraining.data.wikipedia_corpus import corpus_paths
 
     return str(corpus_paths()[1])
 

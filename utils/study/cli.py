@@ -133,7 +133,7 @@ def check_dataset(parser: argparse.ArgumentParser, args) -> None:
     """A budget on a corpus kept outside the repository needs it before any run trains: one line if it is absent."""
     if args.settings.get("dataset", DEFAULT_DATASET) == DEFAULT_DATASET:
         return
-    from peft_pretraining.wikipedia_corpus import corpus_paths
+    from peft_pretraining.data.wikipedia_corpus import corpus_paths
 
     try:
         corpus_paths()

@@ -141,7 +141,12 @@ def write_report_files(out: Path, text: str, summary: dict, suffix: str = "") ->
 def embedded_train_tokens() -> int:
     """Tokens in the embedded training split, EOS included (what one epoch of --packing reads, tokenized as the
     trainer does)."""
-    from peft_pretraining.dataloader import embedded_split_path, load_tokenizer, read_jsonl_texts, tokenize_documents
+    from peft_pretraining.data.dataloader import (
+        embedded_split_path,
+        load_tokenizer,
+        read_jsonl_texts,
+        tokenize_documents,
+    )
 
     texts = list(read_jsonl_texts(embedded_split_path("train")))
     return sum(len(ids) for ids in tokenize_documents(load_tokenizer("embedded"), texts, max_length=0, packing=True))
@@ -152,6 +157,6 @@ def train_split_tokens(settings: dict) -> int:
     tests/test_wikipedia_data.py where the corpus is present): a report is rewritten without the corpus."""
     if settings.get("dataset", runs.DEFAULT_DATASET) == runs.DEFAULT_DATASET:
         return embedded_train_tokens()
-    from peft_pretraining.wikipedia_corpus import TRAIN_TOKENS
+    from peft_pretraining.data.wikipedia_corpus import TRAIN_TOKENS
 
     return TRAIN_TOKENS

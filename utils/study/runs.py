@@ -206,7 +206,7 @@ def run_job(spec: RunSpec, settings: AnalysisSettings, runs_dir: Path, records_d
     reuse_training = same_flags and training_ended(results_file)
     log_dir = runs_dir / "logs"
     if not reuse_training:
-        from peft_pretraining.run_folder import find_checkpoint
+        from peft_pretraining.training.run_folder import find_checkpoint
 
         # an interrupted run with these flags resumes from its last checkpoint; anything else starts over
         checkpoint = find_checkpoint(str(run_dir)) if same_flags else None
@@ -299,7 +299,7 @@ def curves_from_metrics(metrics_path: Path) -> dict:
 def checkpoint_bytes(spec: RunSpec) -> int:
     """The most disk a run's folder takes while it trains: every checkpoint's fp32 weights, and the AdamW state
     (twice the weights) in the newest and in the one being written."""
-    from utils.model_arithmetic import parameter_count
+    from utils.instruments.model_arithmetic import parameter_count
 
     flags = spec.flags()
     config = argparse.Namespace(**json.loads((REPO / flags[flags.index("--model_config") + 1]).read_text()))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from peft_pretraining.modeling_llama import PLACEMENTS
+from peft_pretraining.model.modeling_llama import PLACEMENTS
 from utils.study import verdicts
 from utils.study.measures import GROWTH_MEASURES, MEASURES, by_seed, measures_in
 from utils.study.plots import finish_grid, pyplot, save_figure

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch._inductor.config as inductor_config
 
-from peft_pretraining.optimization import build_optimizer
+from peft_pretraining.training.optimization import build_optimizer
 from utils.bench.benchmark_model import autocast_for, build_models, make_step
 
 REPO = Path(__file__).resolve().parents[3]

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from peft_pretraining import modeling_llama
-from peft_pretraining.optimization import build_optimizer
+from peft_pretraining.model import modeling_llama
+from peft_pretraining.training.optimization import build_optimizer
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -30,9 +30,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from peft_pretraining.distributed import gather_rank_objects
-from peft_pretraining.rng import capture_rng_state, restore_rng_state
-from peft_pretraining.run_folder import CHECKPOINT_PREFIX, TRAINING_STATE_FILE, fsync_dir
+from peft_pretraining.training.distributed import gather_rank_objects
+from peft_pretraining.training.rng import capture_rng_state, restore_rng_state
+from peft_pretraining.training.run_folder import CHECKPOINT_PREFIX, TRAINING_STATE_FILE, fsync_dir
 
 CHECKPOINT_FORMAT = 1
 SHARDED_DIR = "sharded"  # DCP files inside a checkpoint folder: .metadata and one __<rank>_0.distcp per rank

@@ -2,7 +2,7 @@
 
 `build_embedded_corpus` writes data/embedded/{train,validation}.jsonl.gz (byte-reproducible) and trains the
 byte-level BPE tokenizer in data/tokenizer/ on the train split. Reading the corpus for training and evaluation is
-`peft_pretraining.dataloader`'s job; its documented `build-embedded` command runs this module's `main`.
+`peft_pretraining.data.dataloader`'s job; its documented `build-embedded` command runs this module's `main`.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Iterable
 
 from peft_pretraining.cli import OneLineErrorParser
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 DATA_DIR = REPO_ROOT / "data"
 EMBEDDED_DIR = DATA_DIR / "embedded"
 TOKENIZER_DIR = DATA_DIR / "tokenizer"

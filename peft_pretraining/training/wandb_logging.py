@@ -4,7 +4,7 @@ import os
 import re
 import secrets
 
-from peft_pretraining import run_folder
+from peft_pretraining.training import run_folder
 
 
 def wandb_api_key_available() -> bool:

@@ -20,7 +20,7 @@ from typing import Callable, Iterable
 import yaml
 
 from peft_pretraining.cli import OneLineErrorParser
-from peft_pretraining.dataloader import EMBEDDED_DIR
+from peft_pretraining.data.dataloader import EMBEDDED_DIR
 
 HELDOUT_PERPLEXITY_TASK = "heldout_novel_ppl"
 EMBEDDED_HELDOUT = EMBEDDED_DIR / "validation.jsonl.gz"
@@ -67,7 +67,7 @@ def build_heldout_perplexity_task(output_dir: str | Path, text_file: str | Path 
     Default text: the embedded held-out novel (never seen in training). Reports word_perplexity,
     byte_perplexity and bits_per_byte; lower is better. lm-eval scores each document in rolling windows of
     HFLM's ``max_length`` tokens (``max_position_embeddings`` unless given), so callers pass the length the model
-    was trained at (``utils.model_io.resolve_context_length``; ``max_length=`` in the CLI's --model_args).
+    was trained at (``utils.instruments.model_io.resolve_context_length``; ``max_length=`` in the CLI's --model_args).
     """
     texts = read_texts(text_file or EMBEDDED_HELDOUT)
     if max_documents is not None:
@@ -232,6 +232,3 @@ def main(argv: list[str] | None = None) -> None:
     print(f"use with: lm_eval --include_path {Path(args.output_dir).resolve()} --tasks {','.join(names)} "
           "--model hf --model_args pretrained=MODEL,max_length=TRAINED_LENGTH ...")
 
-
-if __name__ == "__main__":
-    main()

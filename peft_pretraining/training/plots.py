@@ -1,5 +1,5 @@
 """The run folder's plots, drawn from metrics.jsonl at the end of a run: the loss curve and the norm gains by depth."""
-from peft_pretraining.metrics_file import read_metrics
+from peft_pretraining.training.metrics_file import read_metrics
 
 
 def plot_loss_curve(metrics_path: str, png_path: str, title: str = ""):

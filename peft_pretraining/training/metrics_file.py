@@ -3,7 +3,7 @@ import json
 import math
 import os
 
-from peft_pretraining import run_folder
+from peft_pretraining.training import run_folder
 
 
 def json_safe(value):

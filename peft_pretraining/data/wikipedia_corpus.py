@@ -27,7 +27,7 @@ import tempfile
 from typing import Iterator
 
 from peft_pretraining.cli import OneLineErrorParser
-from peft_pretraining.embedded_corpus import DATA_DIR, REPO_ROOT, train_tokenizer
+from peft_pretraining.data.embedded_corpus import DATA_DIR, REPO_ROOT, train_tokenizer
 
 WIKIPEDIA = "wikipedia"  # the --dataset and --tokenizer name
 DATA_DIR_VARIABLE = "WIKIPEDIA_DATA_DIR"
@@ -229,7 +229,7 @@ def updates_before_repeat(tokenizer, *, batch_size: int, max_length: int, seed: 
     this count, not below the split's token count."""
     from tqdm.auto import tqdm
 
-    from peft_pretraining.dataloader import build_train_stream
+    from peft_pretraining.data.dataloader import build_train_stream
 
     train = train or corpus_paths()[0]
     stream = build_train_stream(dataset=WIKIPEDIA, dataset_path=str(train), tokenizer=tokenizer,
@@ -286,6 +286,3 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(error))
     print(f"{len(tokenizer):,} ids written to {args.out_dir}")
 
-
-if __name__ == "__main__":
-    main()

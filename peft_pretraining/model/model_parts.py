@@ -32,7 +32,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def is_our_config(config) -> bool:
-    """One of this repository's models (peft_pretraining.modeling_llama): its config names a norm_type. `config` is a
-    model's config or a config.json read as a dict."""
+    """One of this repository's models (peft_pretraining.model.modeling_llama): its config names a norm_type.
+    `config` is a model's config or a config.json read as a dict."""
     norm_type = config.get("norm_type") if isinstance(config, dict) else getattr(config, "norm_type", None)
     return norm_type is not None

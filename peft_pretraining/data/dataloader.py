@@ -17,9 +17,9 @@ Stream order (the same for any num_workers):
 The stream position (`TrainStream.state_dict()`) says where every lane is, so resuming rebuilds the readers there and
 the next batch is exactly the one that would have come next.
 
-The embedded corpus and its tokenizer are built by `peft_pretraining.embedded_corpus`; its CLI is run from here:
-`python -m peft_pretraining.dataloader build-embedded --source /path/to/austen` rebuilds data/embedded/* and
-data/tokenizer/ from the raw novels.
+The embedded corpus and its tokenizer are built by `peft_pretraining.data.embedded_corpus`, whose CLI is the documented
+`python -m peft_pretraining.dataloader build-embedded --source /path/to/austen` (the entry point
+peft_pretraining/dataloader.py): it rebuilds data/embedded/* and data/tokenizer/ from the raw novels.
 """
 from __future__ import annotations
 
@@ -41,17 +41,14 @@ from typing import Iterator
 import numpy as np
 import torch
 
-# build_parser, main and write_jsonl_gz are not used here: build_parser and main run the documented
-# `python -m peft_pretraining.dataloader build-embedded` command, and tools import write_jsonl_gz from here.
-from peft_pretraining.embedded_corpus import (  # noqa: F401
+# write_jsonl_gz is not used here: tools import it from here.
+from peft_pretraining.data.embedded_corpus import (  # noqa: F401
     EMBEDDED_DIR,
     TOKENIZER_DIR,
-    build_parser,
-    main,
     train_tokenizer,
     write_jsonl_gz,
 )
-from peft_pretraining.wikipedia_corpus import WIKIPEDIA, WIKIPEDIA_TOKENIZER_DIR
+from peft_pretraining.data.wikipedia_corpus import WIKIPEDIA, WIKIPEDIA_TOKENIZER_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +100,7 @@ def load_tokenizer(name_or_path: str):
                 shutil.rmtree(staging, ignore_errors=True)
         tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
     else:
-        import peft_pretraining.modeling_llama  # noqa: F401 (registers our model type: a checkpoint of ours asks nothing)
+        import peft_pretraining.model.modeling_llama  # noqa: F401 (registers our model type: a checkpoint of ours asks nothing)
 
         if name_or_path == WIKIPEDIA:
             if not (WIKIPEDIA_TOKENIZER_DIR / "tokenizer.json").exists():
@@ -882,6 +879,3 @@ def _trim_targets(batch: dict, surplus: int) -> None:
     for key in batch:
         batch[key] = batch[key][keep]
 
-
-if __name__ == "__main__":
-    main()

@@ -29,7 +29,7 @@ has a setting. Sources and every departure from the authors' code: docs/differen
 Optional per-layer attributes (`layer_norm_types`, `layer_depths`, `depth_scaling_num_layers`, formerly
 `deepnorm_num_layers`) pin each layer's placement, LNS depth and the L of DeepNorm and CompleteP explicitly;
 `freeze_layer_plan` writes them, so that a layer keeps what it was trained with after another layer is removed.
-Export to stock `transformers.LlamaForCausalLM`: `peft_pretraining/llama_export.py`, outside the copy of this file
+Export to stock `transformers.LlamaForCausalLM`: `peft_pretraining/model/llama_export.py`, outside the copy of this file
 that every checkpoint carries.
 """
 
@@ -1176,7 +1176,7 @@ class LlamaForCausalLM(LlamaPreTrainedModel, GenerationMixin):
         if labels is not None and head_loss != "standard":  # the trainer's --loss: the same loss, no full logits
             # In a try: transformers then does not require peft_pretraining to load a checkpoint's copy of this file.
             try:
-                from peft_pretraining.head_losses import head_loss as loss_without_logits
+                from peft_pretraining.model.head_losses import head_loss as loss_without_logits
             except ImportError as error:
                 raise ValueError(f"head_loss={head_loss!r} needs this repository's peft_pretraining") from error
             return CausalLMOutput(loss=loss_without_logits(hidden, self.lm_head.weight, labels, head_loss),
@@ -1220,7 +1220,7 @@ LlamaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 # our checkpoints with this code and ask no custom-code question. Elsewhere the checkpoint's copy of this file needs
 # trust_remote_code=True, and that copy registers nothing: trusting one checkpoint must not silence the question for
 # the next.
-if __package__ == "peft_pretraining":
+if __package__ == "peft_pretraining.model":
     AutoConfig.register(NormPlacementConfig.model_type, NormPlacementConfig, exist_ok=True)
     AutoModelForCausalLM.register(NormPlacementConfig, LlamaForCausalLM, exist_ok=True)
 

@@ -1,7 +1,7 @@
 """The mean RMSNorm gain per decoder layer and of the final norm, as the trainer logs them at each evaluation."""
 import torch
 
-from peft_pretraining.model_parts import backbone, decoder_layers
+from peft_pretraining.model.model_parts import backbone, decoder_layers
 
 
 def _full_mean(weights) -> float:

@@ -24,10 +24,11 @@ import math
 import torch
 from torch import nn
 
-from peft_pretraining.model_parts import decoder_layers, is_our_config, unwrap
-from peft_pretraining.modeling_llama import canonical_norm_type
+from peft_pretraining.model.model_parts import decoder_layers, is_our_config, unwrap
+from peft_pretraining.model.modeling_llama import canonical_norm_type
 
-# "llama_norm_placement" is this repository's model (peft_pretraining.modeling_llama); only its Pre-LN takes hooks.
+# "llama_norm_placement" is this repository's model (peft_pretraining.model.modeling_llama); only its Pre-LN takes
+# hooks.
 SUPPORTED_MODEL_TYPES = ("llama", "llama_norm_placement", "mistral", "qwen2", "qwen3")
 BLOCK_NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
 CONFIG_FLAG = "layernorm_scaling"

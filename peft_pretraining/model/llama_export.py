@@ -8,7 +8,7 @@ from __future__ import annotations
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
-from peft_pretraining.modeling_llama import PLACEMENTS, LlamaForCausalLM
+from peft_pretraining.model.modeling_llama import PLACEMENTS, LlamaForCausalLM
 
 EXPORTABLE_PLACEMENTS = tuple(name for name, placement in PLACEMENTS.items() if placement.exports_to_stock_llama)
 _OUR_CONFIG_KEYS = ("norm_type", "post_num", "init_method", "layer_norm_types", "layer_depths",

@@ -13,19 +13,19 @@ import re
 
 import torch
 
-from peft_pretraining import run_folder
 from peft_pretraining.cli import OneLineErrorParser
-from peft_pretraining.distributed import DEFAULT_TIMEOUT_MINUTES
-from peft_pretraining.head_losses import HEAD_LOSSES, liger_import_error
-from peft_pretraining.modeling_llama import (
+from peft_pretraining.data.wikipedia_corpus import WIKIPEDIA, corpus_paths
+from peft_pretraining.model.head_losses import HEAD_LOSSES, liger_import_error
+from peft_pretraining.model.modeling_llama import (
     INIT_METHODS,
     NORM_TYPE_ALIASES,
     canonical_norm_type,
     norm_type_choices,
     placement_settings,
 )
-from peft_pretraining.run_folder import SUPERSEDED_DIR
-from peft_pretraining.wikipedia_corpus import WIKIPEDIA, corpus_paths
+from peft_pretraining.training import run_folder
+from peft_pretraining.training.distributed import DEFAULT_TIMEOUT_MINUTES
+from peft_pretraining.training.run_folder import SUPERSEDED_DIR
 
 
 def model_options() -> tuple[str, ...]:
@@ -168,9 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "utils/bench/benchmark_model.py)")
     system.add_argument("--loss", type=str.lower, default="standard", choices=HEAD_LOSSES,
                         help="how the lm_head's loss is computed, the same function each way "
-                             "(peft_pretraining/head_losses.py): standard (full logits), chunked (a chunk of logits "
-                             "at a time, recomputed in backward) or liger (liger-kernel, CUDA only). Standard until "
-                             "utils/gpu/gpu_check.sh's losses stage has measured them on a GPU")
+                             "(peft_pretraining/model/head_losses.py): standard (full logits), chunked (a chunk of "
+                             "logits at a time, recomputed in backward) or liger (liger-kernel, CUDA only). Standard "
+                             "until utils/gpu/gpu_check.sh's losses stage has measured them on a GPU")
     system.add_argument("--no_compile", dest="compile", action="store_false",
                         help="eager, overriding an earlier --compile (run_*.sh compile by default on CUDA)")
     system.add_argument("--dist_timeout_minutes", type=float, default=DEFAULT_TIMEOUT_MINUTES,

@@ -1,7 +1,7 @@
 """The one shared helper of the analyses: load a model and tokenizer, feed text, read the residual stream.
 
 - ``load_model_and_tokenizer`` loads a hub id or a local folder. A folder whose config.json has a ``norm_type``
-  key is one of our checkpoints and loads with ``peft_pretraining.modeling_llama.LlamaForCausalLM``; anything
+  key is one of our checkpoints and loads with ``peft_pretraining.model.modeling_llama.LlamaForCausalLM``; anything
   else loads with ``AutoModelForCausalLM``.
 - ``token_batches`` turns documents (C4 streamed, a local text file, or the embedded held-out novel) into padded
   batches of token windows, stopping after exactly ``num_tokens`` real tokens.
@@ -27,9 +27,9 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from peft_pretraining.dataloader import EMBEDDED_DIR, TOKENIZER_DIR, vocab_size_covering
-from peft_pretraining.model_parts import backbone, decoder_layers, is_our_config
-from peft_pretraining.modeling_llama import (  # also registers our model type
+from peft_pretraining.data.dataloader import EMBEDDED_DIR, TOKENIZER_DIR, vocab_size_covering
+from peft_pretraining.model.model_parts import backbone, decoder_layers, is_our_config
+from peft_pretraining.model.modeling_llama import (  # also registers our model type
     LlamaForCausalLM,
     canonical_norm_type,
     norm_type_choices,
@@ -151,7 +151,7 @@ def load_model(model_path: str, dtype: torch.dtype | str = torch.float32, device
     except (OSError, ValueError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise SystemExit(f"--model_path: cannot load {model_path!r}: {first_line}") from None
-    from peft_pretraining.layernorm_scaling import reapply_layernorm_scaling_from_config
+    from peft_pretraining.model.layernorm_scaling import reapply_layernorm_scaling_from_config
 
     # A checkpoint saved with LNS hooks unfolded (finetune.py's intermediate checkpoints) says so in its config;
     # without the hooks every tool would measure the model without LNS.
