@@ -59,6 +59,8 @@ STUDIES = (
     Study("study", "python utils/compare_norms.py --dtype float32 --no-compile", "docs/study/report.md", CPU_STUDY),
     Study("rivals", "python utils/compare_norms.py --budget rivals --dtype float32 --no-compile",
           "docs/study/report_rivals.md", CPU_STUDY),
+    Study("rivals_2026", "python utils/compare_norms.py --budget rivals_2026 --dtype float32 --no-compile",
+          "docs/study/report_rivals_2026.md", CPU_STUDY),
     Study("study_long", "python utils/compare_norms.py --budget long --dtype float32 --no-compile",
           "docs/study_long/report.md", CPU_STUDY),
     Study("study_mixed", "python utils/compare_norms.py --dtype mixed --compile",
