@@ -132,19 +132,16 @@ def sentences(result: dict) -> list[str]:
 
 def near_identity_sentence(result: dict, jacobian_near: list[bool], update_near: list[bool]) -> str:
     summary, num_layers = result["summary"], result["num_layers"]
-    updates = (f"{sum(update_near)} of {num_layers} blocks ({summary['near_identity_update_fraction']:.0%}) add an "
-               f"update smaller than {NEAR_IDENTITY:.0%} of the stream they are added to (‖F(x)‖/‖x‖ < "
-               f"{NEAR_IDENTITY}){layer_list(update_near, ': layers ')}")
+    adds = (f"({summary['near_identity_update_fraction']:.0%}) add an update smaller than {NEAR_IDENTITY:.0%} of the "
+            f"stream they are added to (‖F(x)‖/‖x‖ < {NEAR_IDENTITY}){layer_list(update_near, ': layers ')}")
     if not result["jacobian"]:  # AttnRes and mHC: no block maps one stream tensor to the next
-        return (f"**Near the identity.** Block Jacobians are {result['jacobian_method']}; {updates}; over the deep "
-                f"half ‖F(x)‖/‖x‖ averages {summary['update_ratio_deep']:.3f}.")
+        return (f"**Near the identity.** Block Jacobians are {result['jacobian_method']}; {sum(update_near)} of "
+                f"{num_layers} blocks {adds}; over the deep half ‖F(x)‖/‖x‖ averages "
+                f"{summary['update_ratio_deep']:.3f}.")
     return (f"**Near the identity.** {sum(jacobian_near)} of {num_layers} blocks "
             f"({summary['near_identity_jacobian_fraction']:.0%}) have ‖J − I‖_F/√d below {NEAR_IDENTITY}"
-            f"{layer_list(jacobian_near, ': layers ')}, and {sum(update_near)} "
-            f"({summary['near_identity_update_fraction']:.0%}) add an update smaller than {NEAR_IDENTITY:.0%} of the "
-            f"stream they are added to (‖F(x)‖/‖x‖ < {NEAR_IDENTITY}){layer_list(update_near, ': layers ')}; over the "
-            f"deep half ‖J − I‖_F/√d averages {summary['jacobian_deep']:.3f} and ‖F(x)‖/‖x‖ "
-            f"{summary['update_ratio_deep']:.3f}.")
+            f"{layer_list(jacobian_near, ': layers ')}, and {sum(update_near)} {adds}; over the deep half "
+            f"‖J − I‖_F/√d averages {summary['jacobian_deep']:.3f} and ‖F(x)‖/‖x‖ {summary['update_ratio_deep']:.3f}.")
 
 
 # ----------------------------------------------------------------------------- outputs
