@@ -197,19 +197,20 @@ PROSE_CLAIMS = [
 
 
 def lead_direction(summary: dict) -> str:
-    """The lead's direction with depth and how sure it is: "grows, inside noise so far" (a budget still landing its
-    seeds), or "grows" / "shrinks" "clear of zero over N seeds". No phrase is a prefix of another, so a README that
-    keeps an old verdict fails."""
+    """The lead's direction with depth and how sure it is: "grows in K of N seeds, its interval holding zero", or
+    "grows" / "shrinks" "clear of zero over N seeds". No phrase is a prefix of another, so a README that keeps an old
+    verdict fails."""
     prediction = results_table.find(summary["predictions"], results_table.LEAD_PREDICTION, "the short budget")
     verb = "grows" if prediction["effect"] > 0 else "shrinks"
     if prediction["status"] == verdicts.INSIDE_NOISE:
-        return f"{verb}, inside noise so far"
+        agreeing = f"{prediction['n_agree']} of {prediction['n_pairs']} {prediction['unit']}"
+        return f"{verb} in {agreeing}, its interval holding zero"
     return f"{verb}, clear of zero over {prediction['n_pairs']} {prediction['unit']}"
 
 
 def test_no_lead_phrase_is_a_prefix_of_another():
     summary = {"predictions": [dict(claim=results_table.LEAD_PREDICTION, effect=0.1, status=status, n_pairs=3,
-                                    unit="seeds") for status in [verdicts.INSIDE_NOISE]]}
+                                    n_agree=3, unit="seeds") for status in [verdicts.INSIDE_NOISE]]}
     noisy = lead_direction(summary)
     summary["predictions"][0]["status"] = verdicts.REPRODUCED
     clear = lead_direction(summary)
