@@ -363,13 +363,38 @@ def test_a_probe_that_did_not_finish_measures_no_overfitting_point(tmp_path):
 
 
 @pytest.mark.parametrize("argv, flag", [(["--depths", "4"], "--depths"),
-                                        (["--depths", "4", "8", "--first_depths", "6"], "--first_depths")])
+                                        (["--depths", "4", "8", "--first_depths", "6"], "--first_depths"),
+                                        (["--arms", "lns", "gpas"], "--arms: gpas")])
 def test_depth_sweep_bad_input_is_one_line(argv, flag, capsys):
     with pytest.raises(SystemExit) as exit_info:
         depth_sweep.parse_args(argv)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert flag in err and err.count("\n") == 1
+
+
+def test_depth_sweep_arms_trains_only_those_and_reports_the_rest_of_the_sweep(tmp_path, monkeypatch):
+    """--arms lns: only LNS runs train; the other arms' saved records join them, and their unsaved runs count as
+    skipped."""
+    args = depth_sweep.parse_args(["--quick", "--arms", "lns", "--out", str(tmp_path / "report"),
+                                   "--runs_dir", str(tmp_path / "runs")])
+    trained, read = [], []
+
+    def fake_collect(args, specs):
+        trained.extend(spec.name for spec in specs)
+        return {spec.name: dict(arm=spec.arm, seed=spec.seed) for spec in specs}, []
+
+    def fake_saved(args, specs):
+        read.extend(spec.name for spec in specs)
+        return {spec.name: dict(arm=spec.arm, seed=spec.seed) for spec in specs if spec.seed == 1}
+
+    monkeypatch.setattr(depth_sweep.runs, "collect_records", fake_collect)
+    monkeypatch.setattr(depth_sweep.runs, "saved_records", fake_saved)
+    records, skipped = depth_sweep.collect_records(args, depth_sweep.run_specs(args))
+    assert trained and all("-lns-" in name for name in trained)
+    assert any("-pre-" in name for name in read) and not any("-lns-" in name for name in read)  # and the rivals
+    assert set(records) == set(trained) | {name for name in read if name.endswith("seed1")}
+    assert sorted(spec.name for spec in skipped) == sorted(name for name in read if not name.endswith("seed1"))
 
 
 @pytest.mark.e2e

@@ -6,6 +6,7 @@
     python utils/depth_sweep.py --budget long    # 3x the tokens per run (resumes across invocations)
     python utils/depth_sweep.py --budget rivals  # adds GPAS and BHyT at L=24 and 48 to the default's records
     python utils/depth_sweep.py --budget wikipedia_gpu --device cuda --no-compile --jobs 6  # hidden 768, one GPU
+    python utils/depth_sweep.py --budget wikipedia --lr 4e-3 --depths 6 12 24 --arms lns --seeds 2 3  # one arm's seeds
     python utils/depth_sweep.py --overfit_probe  # also find where the corpus overfits at the deepest depth
     python utils/depth_sweep.py --quick          # smoke test (CI)
     python utils/depth_sweep.py --report_only    # rewrite the report from the saved records
@@ -166,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="train every seed of these depths before the others' (default: the budget's order, "
                              "wikipedia: 12 24). With --max_hours, a session trains one depth while the report "
                              "still covers --depths. The order changes no record or report")
+    parser.add_argument("--arms", nargs="+", default=None,
+                        help="train only these norm types (pre, lns and the budget's rivals), e.g. the arm whose "
+                             "best rate differs; the report still reads every record the sweep has")
     parser.add_argument("--overfit_probe", action="store_true",
                         help="also train the overfitting probe (one long LNS run at the deepest depth; about 80 "
                              "minutes at L=48); without it the report uses the probe's record when there is one")
@@ -191,6 +195,10 @@ def parse_args(argv=None):
         parser.error("--depths: give at least two different depths (the verdicts are slopes against depth)")
     if args.first_depths and not set(args.first_depths) <= set(args.settings["depths"]):
         parser.error(f"--first_depths: {args.first_depths} are not all among the depths {list(args.settings['depths'])}")
+    norms = (*NORMS, *args.settings.get("rival_norms", ()))
+    if args.arms and not set(args.arms) <= set(norms):
+        parser.error(f"--arms: {', '.join(sorted(set(args.arms) - set(norms)))} is not a norm type of this budget; "
+                     f"valid: {', '.join(norms)}")
     if args.keep_checkpoints is None:
         args.keep_checkpoints = args.device == "cpu"
     return args
@@ -230,6 +238,22 @@ def run_specs(args) -> list[RunSpec]:
                 specs.append(RunSpec(f"L{depth}-{norm}", seed, (*base, "--norm_type", norm), dynamics,
                                      save_every=s.get("save_every")))
     return specs
+
+
+def spec_norm(spec: RunSpec) -> str:
+    return spec.arm.split("-", 1)[1]  # "L24-lns" -> "lns"
+
+
+def collect_records(args, specs: list[RunSpec]) -> tuple[dict[str, dict], list[RunSpec]]:
+    """runs.collect_records over the --arms specs; the other arms' saved records join them, so that the report
+    covers the whole sweep (their missing runs count as skipped)."""
+    if not args.arms or args.report_only:
+        return runs.collect_records(args, specs)
+    chosen = [spec for spec in specs if spec_norm(spec) in args.arms]
+    rest = [spec for spec in specs if spec_norm(spec) not in args.arms]
+    records, skipped = runs.collect_records(args, chosen)
+    saved = runs.saved_records(args, rest)
+    return {**records, **saved}, skipped + [spec for spec in runs.as_trained(args, rest) if spec.name not in saved]
 
 
 def probe_spec(args) -> RunSpec:
@@ -894,8 +918,9 @@ def main(argv=None) -> int:
         print(estimate_lines(estimate(args)), flush=True)
         return 0
     if args.plan:
-        return report.print_plan(args, run_specs(args) + ([probe_spec(args)] if args.overfit_probe else []))
-    records, skipped = runs.collect_records(args, run_specs(args))
+        specs = [spec for spec in run_specs(args) if not args.arms or spec_norm(spec) in args.arms]
+        return report.print_plan(args, specs + ([probe_spec(args)] if args.overfit_probe else []))
+    records, skipped = collect_records(args, run_specs(args))
     probe = collect_probe(args)
     written = write_report(args, records, skipped, started, argv, probe)
     print(f"report: {written}")
