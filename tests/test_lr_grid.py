@@ -56,6 +56,17 @@ def test_each_point_gets_its_best_rate_and_the_verdicts_compare_points_at_it(tmp
     assert (tmp_path / "grid/lr_grid.png").stat().st_size > 0
 
 
+def test_a_rate_trained_at_more_seeds_is_judged_on_the_seeds_the_others_have():
+    """2e-3 has seeds 1-3, 4e-3 seed 1 only. On seed 1, the seed they share, 2e-3 is lower, though its 3-seed mean
+    (4.37) is above 4e-3's 4.35 (its seeds 2-3 are unlucky ones): the choice reads seed 1 alone."""
+    rates = {0.002: {1: 4.30, 2: 4.40, 3: 4.41}, 0.004: {1: 4.35}}
+    assert lr_grid.best_of(rates, rates) == 0.002
+    rates[0.002][1] = 4.38  # now above 4e-3 on seed 1 too
+    assert lr_grid.best_of(rates, rates) == 0.004
+    assert lr_grid.best_of({0.002: {2: 4.0}, 0.004: {1: 4.1, 3: None}}, (0.002, 0.004)) == 0.002  # no shared seed
+    assert lr_grid.best_of({0.002: {1: None}}, (0.002,)) is None
+
+
 def test_a_rate_tried_at_one_point_only_cannot_decide_a_verdict(tmp_path):
     """L12 trained at 2e-3 too (much better there), L24 only at 1e-3: depth is judged at 1e-3 for both; LNS against
     Pre-LN at L12, where both arms trained both rates, at 2e-3. A pair sharing no rate is not judged."""

@@ -112,10 +112,18 @@ def mean_loss(per_seed: dict[int, float | None]) -> float | None:
 
 
 def best_of(rates: dict[float, dict[int, float | None]], allowed) -> float | None:
-    """The rate, of those in `allowed`, with the lowest mean eval loss; None when none of them finished."""
-    means = {rate: mean_loss(per_seed) for rate, per_seed in rates.items() if rate in allowed}
-    means = {rate: m for rate, m in means.items() if m is not None}
-    return min(means, key=means.get) if means else None
+    """The rate, of those in `allowed`, with the lowest mean eval loss over the seeds finished at each of them, so
+    that a rate trained at more seeds is not judged on other seeds than the rest (seed noise is as large as some rate
+    effects); each rate's own seeds when they share none. None when none of them finished."""
+    finished = {rate: {seed: loss for seed, loss in per_seed.items() if loss is not None}
+                for rate, per_seed in rates.items() if rate in allowed}
+    finished = {rate: losses for rate, losses in finished.items() if losses}
+    if not finished:
+        return None
+    shared = set.intersection(*(set(losses) for losses in finished.values()))
+    means = {rate: float(np.mean([loss for seed, loss in losses.items() if not shared or seed in shared]))
+             for rate, losses in finished.items()}
+    return min(means, key=means.get)
 
 
 def best_rates(table) -> dict[str, dict[int, float]]:
