@@ -62,10 +62,31 @@ def test_a_budget_with_one_depth_waits_outside_the_comparison_between_budgets(tm
     middle = write_folder(tmp_path / "middle", first_pair)
     assert budget_map.main([str(short), str(middle), str(SWEEP), "--out", str(tmp_path / "map")]) == 0
     summary = json.loads((tmp_path / "map/budget_map.json").read_text())
-    assert summary["common_depths"] == [6, 12, 24]
-    assert [(i["short"], i["long"]) for i in summary["interactions"]] == [(2400, 10500)]
+    assert [(i["short"], i["long"], i["depths"]) for i in summary["interactions"]] == [(2400, 10500, [6, 12, 24])]
     text = (tmp_path / "map/budget_map.md").read_text()
     assert "Not compared yet (fewer than two depths trained): 5,000 updates." in text
+
+
+def test_each_pair_of_budgets_is_compared_over_the_depths_both_have(tmp_path):
+    """A middle budget with L = 6 and 12 only is compared with each neighbour over those two, while the short and
+    long budgets keep L = 6, 12 and 24 between them; each slope over fewer depths than its budget's own is printed
+    beside its comparison."""
+    short = write_folder(tmp_path / "short", retold(committed(), 2400, GROWING))
+    middle_lead = {6: {1: 0.01, 2: 0.02, 3: 0.00}, 12: {1: 0.03, 2: 0.05, 3: 0.01}, 24: GROWING[24]}
+    two_depths = {name: record for name, record in retold(committed(), 5000, middle_lead).items()
+                  if not name.startswith("L24-")}
+    middle = write_folder(tmp_path / "middle", two_depths)
+    assert budget_map.main([str(short), str(middle), str(SWEEP), "--out", str(tmp_path / "map")]) == 0
+    summary = json.loads((tmp_path / "map/budget_map.json").read_text())
+    found = {(i["short"], i["long"]): i for i in summary["interactions"]}
+    assert {pair: i["depths"] for pair, i in found.items()} == {
+        (2400, 5000): [6, 12], (5000, 10500): [6, 12], (2400, 10500): [6, 12, 24]}
+    # the middle budget's own slope is over its own depths: only the other budget's narrowed slope goes beside it
+    assert [v["claim"] for v in found[(2400, 5000)]["slopes_over_shared"]] == [
+        "2,400 updates: the lead's slope over L = 6, 12"]
+    assert [v["claim"] for v in found[(2400, 10500)]["slopes_over_shared"]] == []
+    assert found[(2400, 5000)]["difference"]["status"] == verdicts.INSIDE_NOISE  # slopes 0.02 apart at most
+    assert found[(2400, 10500)]["sign_change"]
 
 
 def test_the_mid_run_read_comes_from_the_longer_runs_eval_curves(tmp_path):

@@ -211,13 +211,21 @@ def budget_entry(updates: int, records: dict[str, dict], settings: dict) -> dict
                 arm_slopes=arm_slopes(records, depths, updates), losses=arm_losses(records, depths))
 
 
-def common_slopes(entries: dict[int, dict], depths: list[int]) -> tuple[dict, dict]:
-    """Per budget, the lead's slope over the depths every budget has (the interaction's footing)."""
+def pair_comparison(short: dict, long: dict) -> dict | None:
+    """Two budgets compared over the depths both have: each one's slope of the lead over them, and the interaction.
+    None when they share fewer than two depths."""
+    depths = sorted(set(short["depths"]) & set(long["depths"]))
+    if len(depths) < 2:
+        return None
     verdict_at, slopes_at = {}, {}
-    for updates, entry in entries.items():
-        verdict_at[updates], slopes_at[updates] = lead_slope(
-            entry["lead"], depths, f"{updates:,} updates: the lead's slope over L = {', '.join(map(str, depths))}")
-    return verdict_at, slopes_at
+    over = ", ".join(map(str, depths))
+    for entry in (short, long):
+        verdict_at[entry["updates"]], slopes_at[entry["updates"]] = lead_slope(
+            entry["lead"], depths, f"{entry['updates']:,} updates: the lead's slope over L = {over}")
+    found = interaction(short["updates"], long["updates"], slopes_at, verdict_at, depths)
+    # a budget's slope over fewer depths than its own: printed beside the comparison (its own is in the table)
+    found["slopes_over_shared"] = [verdict_at[e["updates"]] for e in (short, long) if e["depths"] != depths]
+    return found
 
 
 def curve_lead(records: dict[str, dict], depth: int, step: int) -> tuple[int, dict]:
@@ -321,17 +329,16 @@ def write(folders: list[Path], grid_folders: list[Path], out: Path, argv: list[s
     some = next(iter(next(iter(budgets.values())).values()))
     settings = dict(batch=int(flag(some, "--batch_size")), length=int(flag(some, "--max_length")))
     entries = {updates: budget_entry(updates, records, settings) for updates, records in budgets.items()}
-    # A budget with fewer than two depths has no slope yet: it waits outside the comparison rather than shrink the
-    # depths every budget shares to one.
+    # A budget with fewer than two depths has no slope yet: it waits outside the comparison.
     sloped = {updates: e for updates, e in entries.items() if len(e["depths"]) >= 2}
     waiting = [updates for updates in entries if updates not in sloped]
-    common = sorted(set.intersection(*(set(e["depths"]) for e in sloped.values()))) if sloped else []
-    verdict_at, slopes_at = common_slopes(sloped, common)
+    # Each pair of budgets over the depths both have, so that a budget still landing its depths narrows only its own
+    # comparisons.
     budget_list = list(sloped)
     pairs = list(zip(budget_list, budget_list[1:]))
     if len(budget_list) > 2:
         pairs.append((budget_list[0], budget_list[-1]))
-    interactions = [interaction(a, b, slopes_at, verdict_at, common) for a, b in pairs] if len(common) >= 2 else []
+    interactions = [found for a, b in pairs if (found := pair_comparison(sloped[a], sloped[b])) is not None]
 
     best, best_updates = [], None
     if grid_folders:
@@ -355,15 +362,16 @@ def write(folders: list[Path], grid_folders: list[Path], out: Path, argv: list[s
             map_table(entries), "", f"![the lead and the losses against depth per budget]({png.name})", "",
             "## What each slope rests on", ""]
     text += [f"- {e['slope'].claim}: {e['slope_note'] or 'see the table'}" for e in entries.values()]
-    text += ["", f"## Does the slope change between budgets? (paired by seed, over L = {', '.join(map(str, common))})",
-             ""]
+    text += ["", "## Does the slope change between budgets? (paired by seed, over the depths both budgets have)", ""]
     if waiting:
         text += [f"Not compared yet (fewer than two depths trained): {', '.join(f'{u:,}' for u in waiting)} "
                  "updates.", ""]
-    if len(common) < len(set().union(*(e["depths"] for e in sloped.values()))):
-        text += ["Each budget's slope over these depths (a budget with more depths has its own slope above):", ""]
-        text += [f"- {v.line()}" for v in verdict_at.values()] + [""]
-    text += [f"- {i['difference'].line()}\n  - {i['words']}" for i in interactions] or ["Nothing to compare yet."]
+    for i in interactions:
+        text += [f"- {i['difference'].line()}"]
+        text += [f"  - {i['words']}"] if i["difference"].status != verdicts.NOT_MEASURABLE else []
+        text += [f"  - beside it, {v.line()}" for v in i["slopes_over_shared"]]
+    if not interactions:
+        text += ["Nothing to compare yet."]
     text += ["", "## A mid-run read is not a finished run", "",
              "The lead read off the longer budgets' eval curves at the shorter budgets' update counts (the nearest "
              "eval), beside the finished shorter runs. Under a cosine schedule a mid-run model still has a high rate, "
@@ -391,14 +399,15 @@ def write(folders: list[Path], grid_folders: list[Path], out: Path, argv: list[s
         text += ["No learning-rate grid was given (--grid)."]
     (out / "budget_map.md").write_text("\n".join(text) + "\n")
     summary = dict(folders=[str(f) for f in folders], grid_folders=[str(f) for f in grid_folders], rate=rate,
-                   common_depths=common,
                    budgets={str(u): dict(tokens=e["tokens"], depths=e["depths"],
                                          lead={str(d): {str(s): v for s, v in per.items()}
                                                for d, per in e["lead"].items()},
                                          slope=e["slope"].as_dict(), slope_note=e["slope_note"],
                                          depth_pays={n: v.as_dict() for n, (v, _) in e["arm_slopes"].items()})
                             for u, e in entries.items()},
-                   interactions=[dict(i, difference=i["difference"].as_dict()) for i in interactions],
+                   interactions=[dict(i, difference=i["difference"].as_dict(),
+                                      slopes_over_shared=[v.as_dict() for v in i["slopes_over_shared"]])
+                                 for i in interactions],
                    best_rates=[dict(b, lead={str(s): v for s, v in b["lead"].items()}, verdict=b["verdict"].as_dict())
                                for b in best], best_rate_updates=best_updates)
     (out / "budget_map.json").write_text(json.dumps(summary, indent=1) + "\n")
