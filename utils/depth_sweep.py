@@ -240,8 +240,9 @@ def run_specs(args) -> list[RunSpec]:
     return specs
 
 
-def spec_norm(spec: RunSpec) -> str:
-    return spec.arm.split("-", 1)[1]  # "L24-lns" -> "lns"
+def trains_here(args, spec: RunSpec) -> bool:
+    """Whether this invocation trains the spec: every spec, or with --arms only those norm types'."""
+    return not args.arms or spec.arm.split("-", 1)[1] in args.arms  # "L24-lns" -> "lns"
 
 
 def collect_records(args, specs: list[RunSpec]) -> tuple[dict[str, dict], list[RunSpec]]:
@@ -249,8 +250,8 @@ def collect_records(args, specs: list[RunSpec]) -> tuple[dict[str, dict], list[R
     covers the whole sweep (their missing runs count as skipped)."""
     if not args.arms or args.report_only:
         return runs.collect_records(args, specs)
-    chosen = [spec for spec in specs if spec_norm(spec) in args.arms]
-    rest = [spec for spec in specs if spec_norm(spec) not in args.arms]
+    chosen = [spec for spec in specs if trains_here(args, spec)]
+    rest = [spec for spec in specs if not trains_here(args, spec)]
     records, skipped = runs.collect_records(args, chosen)
     saved = runs.saved_records(args, rest)
     return {**records, **saved}, skipped + [spec for spec in runs.as_trained(args, rest) if spec.name not in saved]
@@ -918,7 +919,7 @@ def main(argv=None) -> int:
         print(estimate_lines(estimate(args)), flush=True)
         return 0
     if args.plan:
-        specs = [spec for spec in run_specs(args) if not args.arms or spec_norm(spec) in args.arms]
+        specs = [spec for spec in run_specs(args) if trains_here(args, spec)]
         return report.print_plan(args, specs + ([probe_spec(args)] if args.overfit_probe else []))
     records, skipped = collect_records(args, run_specs(args))
     probe = collect_probe(args)

@@ -379,8 +379,9 @@ def write(folders: list[Path], grid_folders: list[Path], out: Path, argv: list[s
     text += ["", "## Each arm at its own best rate", ""]
     if best:
         text += [f"At {best_updates:,} updates, where the learning-rate grid trained both arms: each arm at its best "
-                 "of the rates both tried at that depth (chosen on the mean eval loss, the same validation text the "
-                 "verdict reads, so its interval is somewhat optimistic). The shared-rate lead is the table above.",
+                 "of the rates both tried at that depth (chosen on the mean eval loss over the seeds every rate has, "
+                 "the same validation text the verdict reads, so its interval is somewhat optimistic). The "
+                 "shared-rate lead is the table above.",
                  "", "| L | rates tried | Pre-LN's best | LNS's best | lead at the best rates |",
                  "|---|---|---|---|---|"]
         text += [f"| {b['depth']} | {', '.join(f'{r:g}' for r in b['rates_tried'])} | {b['rate_pre']:g} | "

@@ -127,7 +127,7 @@ def best_of(rates: dict[float, dict[int, float | None]], allowed) -> float | Non
 
 
 def best_rates(table) -> dict[str, dict[int, float]]:
-    """{norm: {depth: the rate of the lowest mean eval loss}} over the points with a finished run."""
+    """{norm: {depth: the rate of the lowest mean eval loss (best_of)}} over the points with a finished run."""
     best = {}
     for norm, depths in table.items():
         for depth, rates in depths.items():
