@@ -1377,6 +1377,9 @@ def test_a_seed_without_a_slope_is_a_sweep_part_way_through_not_a_diverged_run()
     assert verdict.n_pairs == 2 and "diverged" not in verdict.reason  # judged on the two seeds that have a slope
     assert verdict.reason.endswith("no slope for seed 1: fewer than two of the swept values measured")
     assert sweep.slope_verdict("falls", -1, {1: -0.3, 2: -0.1, 3: -0.2}).reason == ""
+    one = sweep.slope_verdict("falls", -1, {1: -0.1, 2: None})
+    assert one.status == "not measurable" and "zero" not in one.reason  # no stand-in arm named as a run
+    assert one.reason.startswith("only 1 seed with a slope; an interval over seeds needs at least 2")
 
 
 def test_the_default_depth_sweep_trains_seed_by_seed_in_its_depths_order(tmp_path):

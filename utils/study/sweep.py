@@ -159,6 +159,9 @@ def slope_verdict(claim: str, direction: int, slopes: dict[int, float | None]) -
     without a slope has fewer than two swept values measured (a sweep part-way through), not a diverged run."""
     fitted = {seed: slope for seed, slope in slopes.items() if slope is not None}
     verdict = verdicts.judge_seeds(claim, direction, {seed: 0.0 for seed in fitted}, fitted, ("zero", "slope"))
+    if len(fitted) < 2:  # judge_seeds would name its stand-in zero arm as if it were a run
+        verdict.reason = (f"only {len(fitted)} seed{'' if len(fitted) == 1 else 's'} with a slope; an interval over "
+                          "seeds needs at least 2")
     unfitted = [str(seed) for seed in slopes if seed not in fitted]
     if unfitted:
         note = f"no slope for seed {', '.join(unfitted)}: fewer than two of the swept values measured"
