@@ -86,6 +86,9 @@ STUDIES = (
           "docs/depth_sweep_wikipedia_lr0.008/report_pilot.md", WIKIPEDIA),
     Study("wikipedia", "python utils/depth_sweep.py --budget wikipedia --dtype float32 --no-compile --lr 2e-3 "
           "--depths 6 12 24", "docs/depth_sweep_wikipedia_lr0.002/report.md", WIKIPEDIA),
+    # LNS's seeds 2-3 at L = 24, where 4e-3 beat 2e-3 for it and not for Pre-LN; seed 1 of the rest is the pilot's
+    Study("wikipedia_lr4e-3", "python utils/depth_sweep.py --budget wikipedia --dtype float32 --no-compile --lr 4e-3 "
+          "--depths 6 12 24", "docs/depth_sweep_wikipedia_lr0.004/report.md", WIKIPEDIA),
     Study("wikipedia_lr_grid", "python -m utils.study.lr_grid docs/depth_sweep_wikipedia "
           "docs/depth_sweep_wikipedia_lr0.0005 docs/depth_sweep_wikipedia_lr0.002 docs/depth_sweep_wikipedia_lr0.004 "
           "docs/depth_sweep_wikipedia_lr0.008", "docs/depth_sweep_wikipedia_lr_grid/lr_grid.md", WIKIPEDIA,
