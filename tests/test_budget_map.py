@@ -89,6 +89,24 @@ def test_each_pair_of_budgets_is_compared_over_the_depths_both_have(tmp_path):
     assert found[(2400, 10500)]["sign_change"]
 
 
+def test_a_budget_narrowed_in_two_comparisons_prints_its_narrowed_slope_once(tmp_path):
+    """The short budget also has L = 48, so both of its comparisons narrow it to L = 6, 12, 24: the same slope, shown
+    beside the first of them only."""
+    deeper = retold(committed(), 2400, GROWING)
+    for name in [n for n in deeper if n.startswith("L24-")]:
+        copy = json.loads(json.dumps(deeper[name]))
+        copy["arm"] = copy["arm"].replace("L24-", "L48-")
+        deeper[name.replace("L24-", "L48-")] = copy
+    short = write_folder(tmp_path / "short", deeper)
+    middle = write_folder(tmp_path / "middle", retold(committed(), 5000, GROWING))
+    assert budget_map.main([str(short), str(middle), str(SWEEP), "--out", str(tmp_path / "map")]) == 0
+    summary = json.loads((tmp_path / "map/budget_map.json").read_text())
+    narrowed = [v["claim"] for i in summary["interactions"] for v in i["slopes_over_shared"]]
+    assert narrowed.count("2,400 updates: the lead's slope over L = 6, 12, 24") == 2
+    text = (tmp_path / "map/budget_map.md").read_text()
+    assert text.count("beside it, 2,400 updates: the lead's slope over L = 6, 12, 24") == 1
+
+
 def test_the_mid_run_read_comes_from_the_longer_runs_eval_curves(tmp_path):
     short = write_folder(tmp_path / "short", retold(committed(), 2400, GROWING))
     budget_map.write([short, SWEEP], [], tmp_path / "map", [])
@@ -160,8 +178,17 @@ def test_an_interval_that_barely_excludes_zero_is_called_so():
     assert "3 of 3 seeds agreeing in sign is p = 0.125" in sweep.evidence_note(clear, [6, 12, 24, 48])
 
 
-def test_a_budget_part_way_through_its_seeds_names_the_depths_each_seeds_slope_spans():
-    lead = {6: {1: 0.01, 2: 0.02}, 12: {1: 0.05, 2: 0.04}, 24: {1: 0.1}}
-    assert budget_map.seed_depths_note(lead) == ("the seeds' slopes span different depths (seed 1: L = 6, 12, 24; "
-                                                 "seed 2: L = 6, 12)")
+def test_a_seed_without_every_depth_is_left_out_of_the_slope_and_named_missing_not_diverged():
+    lead = {6: {1: 0.01, 2: 0.02, 3: 0.0}, 12: {1: 0.05, 2: 0.04, 3: 0.03}, 24: {1: 0.1, 3: 0.09}}
+    assert budget_map.seed_depths_note(lead) == "left out of the slope until they have every depth: seed 2 (no L = 24)"
     assert budget_map.seed_depths_note({6: {1: 0.0, 2: 0.1}, 24: {1: 0.2, 2: 0.3}}) == ""
+    verdict, slopes = budget_map.lead_slope(lead, [6, 12, 24], "c")
+    assert set(slopes) == {1, 3}  # seed 2's slope over L = 6, 12 alone would judge another quantity
+    assert verdict.n_pairs == 2
+    short = {6: {1: 0.0, 2: 0.0}, 24: {1: 0.1, 2: 0.2}}
+    long = {6: {1: 0.0, 2: 0.0}, 24: {1: 0.3}}  # seed 2 still training at L = 24
+    slopes_at = {100: budget_map.lead_slope(short, [6, 24], "s")[1], 200: budget_map.lead_slope(long, [6, 24], "l")[1]}
+    verdict_at = {100: budget_map.lead_slope(short, [6, 24], "s")[0], 200: budget_map.lead_slope(long, [6, 24], "l")[0]}
+    found = budget_map.interaction(100, 200, slopes_at, verdict_at, [6, 24])
+    assert "seed 2: missing in 200" in found["difference"].reason
+    assert "diverged" not in found["difference"].reason

@@ -120,10 +120,17 @@ def interval_text(summary: dict, digits: int = 3) -> str:
     return f"{mean} [{low}, {high}] ({summary['n']})"
 
 
+def at_every_depth(table: dict[int, dict[int, float | None]]) -> dict[int, dict[int, float | None]]:
+    """The table without the seeds that lack some depth (still training): a slope over fewer depths than the others'
+    would judge another quantity, and the verdicts name a seed left out this way as missing, not as diverged."""
+    shared = set.intersection(*(set(per_seed) for per_seed in table.values())) if table else set()
+    return {depth: {seed: v for seed, v in per_seed.items() if seed in shared} for depth, per_seed in table.items()}
+
+
 def lead_slope(lead: dict[int, dict[int, float]], depths: list[int], claim: str) -> tuple[verdicts.Verdict, dict]:
-    """The lead's slope against ln L over `depths`, per seed, judged over seeds (+1: the lead grows with depth);
-    also the per-seed slopes."""
-    slopes = slope_by_seed({d: lead[d] for d in depths}, False)
+    """The lead's slope against ln L over `depths`, per seed with every one of them, judged over seeds (+1: the lead
+    grows with depth); also the per-seed slopes."""
+    slopes = slope_by_seed(at_every_depth({d: lead[d] for d in depths}), False)
     return slope_verdict(claim, +1, slopes), slopes
 
 
@@ -132,7 +139,8 @@ def arm_slopes(records: dict[str, dict], depths: list[int], updates: int) -> dic
     (the verdict, the per-seed slopes)."""
     found = {}
     for norm, label in NORMS.items():
-        slopes = slope_by_seed({d: by_seed(records, f"L{d}-{norm}", "eval_loss") for d in depths}, False)
+        slopes = slope_by_seed(at_every_depth({d: by_seed(records, f"L{d}-{norm}", "eval_loss") for d in depths}),
+                               False)
         found[norm] = (slope_verdict(f"{updates:,} updates: {label}'s eval loss falls with depth (slope vs ln L)", -1,
                                      slopes), slopes)
     return found
@@ -189,14 +197,15 @@ def best_rate_leads(grid: dict[str, dict]) -> list[dict]:
 
 
 def seed_depths_note(lead: dict[int, dict[int, float]]) -> str:
-    """Where the seeds' slopes are fitted over different depths (a budget part-way through its seeds), which depths
-    each seed's rests on; '' when every seed has every depth."""
+    """Which seeds the slope leaves out because they lack some depth (a budget part-way through its seeds), and the
+    depths each still lacks; '' when every seed has every depth."""
     seeds = sorted({seed for per_seed in lead.values() for seed in per_seed})
-    depths = {seed: [d for d, per_seed in lead.items() if seed in per_seed] for seed in seeds}
-    if len({tuple(v) for v in depths.values()}) <= 1:
+    lacking = {seed: [d for d, per_seed in lead.items() if seed not in per_seed] for seed in seeds}
+    lacking = {seed: depths for seed, depths in lacking.items() if depths}
+    if not lacking:
         return ""
-    return "the seeds' slopes span different depths (" + "; ".join(
-        f"seed {seed}: L = {', '.join(map(str, d))}" for seed, d in depths.items()) + ")"
+    return "left out of the slope until they have every depth: " + "; ".join(
+        f"seed {seed} (no L = {', '.join(map(str, d))})" for seed, d in lacking.items())
 
 
 def budget_entry(updates: int, records: dict[str, dict], settings: dict) -> dict:
@@ -366,10 +375,12 @@ def write(folders: list[Path], grid_folders: list[Path], out: Path, argv: list[s
     if waiting:
         text += [f"Not compared yet (fewer than two depths trained): {', '.join(f'{u:,}' for u in waiting)} "
                  "updates.", ""]
+    shown = set()  # a budget's slope over the shared depths, printed at its first comparison only
     for i in interactions:
         text += [f"- {i['difference'].line()}"]
         text += [f"  - {i['words']}"] if i["difference"].status != verdicts.NOT_MEASURABLE else []
-        text += [f"  - beside it, {v.line()}" for v in i["slopes_over_shared"]]
+        text += [f"  - beside it, {v.line()}" for v in i["slopes_over_shared"] if v.claim not in shown]
+        shown |= {v.claim for v in i["slopes_over_shared"]}
     if not interactions:
         text += ["Nothing to compare yet."]
     text += ["", "## A mid-run read is not a finished run", "",
@@ -390,12 +401,13 @@ def write(folders: list[Path], grid_folders: list[Path], out: Path, argv: list[s
         if len(best) >= 2:
             verdict, _ = lead_slope({b["depth"]: b["lead"] for b in best}, [b["depth"] for b in best],
                                     f"{best_updates:,} updates, each arm at its best rate: the lead grows with depth "
-                                    "(slope vs ln L, per seed over the depths it has at the best rates)")
-            text += [f"- {verdict.line()}"]
+                                    "(slope vs ln L, per seed with every depth at the best rates)")
+            left_out = seed_depths_note({b["depth"]: b["lead"] for b in best})
+            text += [f"- {verdict.line()}" + (f"; {left_out}" if left_out else "")]
             if verdict.effect is None:
                 text += [f"  - seed {seed}'s own slope: {slope:+.4f} (a sign at one seed, not a verdict)"
-                         for seed, slope in slope_by_seed({b["depth"]: b["lead"] for b in best}, False).items()
-                         if slope is not None]
+                         for seed, slope in slope_by_seed(at_every_depth({b["depth"]: b["lead"] for b in best}),
+                                                          False).items() if slope is not None]
     else:
         text += ["No learning-rate grid was given (--grid)."]
     (out / "budget_map.md").write_text("\n".join(text) + "\n")
