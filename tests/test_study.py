@@ -14,7 +14,7 @@ import tqdm.auto
 
 from tests.analysis_helpers import read_records
 from utils import compare_norms, depth_sweep, width_sweep
-from utils.study import analyse, claims, host, measures, report, runs, sweep, verdicts
+from utils.study import analyse, claims, cli, host, measures, report, runs, sweep, verdicts
 from utils.study import records as record_store
 
 # Zero-mean per-seed noise for crafted records: paired differences that agree exactly at every seed are not
@@ -362,15 +362,31 @@ def test_a_probe_that_did_not_finish_measures_no_overfitting_point(tmp_path):
         assert summary["status"] == "diverged" and "best_step" not in summary
 
 
-@pytest.mark.parametrize("argv, flag", [(["--depths", "4"], "--depths"),
-                                        (["--depths", "4", "8", "--first_depths", "6"], "--first_depths"),
-                                        (["--arms", "lns", "gpas"], "--arms: gpas")])
-def test_depth_sweep_bad_input_is_one_line(argv, flag, capsys):
+@pytest.mark.parametrize("study, argv, flag", [(depth_sweep, ["--depths", "4"], "--depths"),
+                                               (depth_sweep, ["--depths", "4", "8", "--first_depths", "6"],
+                                                "--first_depths"),
+                                               (depth_sweep, ["--arms", "lns", "gpas"], "--arms: gpas"),
+                                               (width_sweep, ["--widths", "64"], "--widths"),
+                                               (compare_norms, ["--arms", "nosuch"], "--arms: unknown nosuch")])
+def test_a_studys_bad_input_is_one_line_even_where_bf16_is_emulated(study, argv, flag, capsys, monkeypatch):
+    """The emulated-bf16 note (printed for the default --dtype mixed on a CPU without bf16 instructions) comes
+    after the study's own checks, so that a bad flag's line stands alone on any host."""
+    monkeypatch.setattr(cli, "bf16_instructions", lambda: [])
     with pytest.raises(SystemExit) as exit_info:
-        depth_sweep.parse_args(argv)
+        study.parse_args(argv)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert flag in err and err.count("\n") == 1
+    assert flag in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("instructions, notes", [([], 1), (["avx512_bf16"], 0)])
+def test_a_mixed_run_notes_emulated_bf16_once_and_only_where_the_cpu_lacks_it(instructions, notes, capsys,
+                                                                              monkeypatch, tmp_path):
+    monkeypatch.setattr(cli, "bf16_instructions", lambda: instructions)
+    depth_sweep.parse_args(["--quick", "--dtype", "mixed", "--runs_dir", str(tmp_path / "runs")])
+    assert capsys.readouterr().err.count("emulates bf16") == notes
+    depth_sweep.parse_args(["--quick", "--dtype", "mixed", "--plan", "--runs_dir", str(tmp_path / "runs")])
+    assert "emulates bf16" not in capsys.readouterr().err  # a plan trains nothing: no note
 
 
 def test_depth_sweep_arms_trains_only_those_and_reports_the_rest_of_the_sweep(tmp_path, monkeypatch):

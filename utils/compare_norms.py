@@ -160,6 +160,7 @@ def parse_args(argv=None):
     unknown = sorted(set(args.arms or ()) - set(ARM_BY_NAME))
     if unknown:
         parser.error(f"--arms: unknown {', '.join(unknown)}; valid: {', '.join(ARM_BY_NAME)}")
+    cli.note_emulated_bf16(args)
     return args
 
 

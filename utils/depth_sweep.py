@@ -201,6 +201,7 @@ def parse_args(argv=None):
                      f"valid: {', '.join(norms)}")
     if args.keep_checkpoints is None:
         args.keep_checkpoints = args.device == "cpu"
+    cli.note_emulated_bf16(args)
     return args
 
 

@@ -101,6 +101,7 @@ def parse_args(argv=None):
     s["widths"] = tuple(sorted(set(s["widths"])))
     if args.keep_checkpoints is None:
         args.keep_checkpoints = args.device == "cpu"
+    cli.note_emulated_bf16(args)
     return args
 
 

@@ -78,15 +78,21 @@ def resolve_study_args(parser: argparse.ArgumentParser, args, budgets: dict) -> 
     # one deadline for the whole invocation, however many collect_records calls it makes (the sweep, then its
     # probe), counted after the lm-eval import above (tens of seconds on a busy machine: not the runs' time)
     args.deadline = None if args.max_hours is None else time.time() + 3600 * args.max_hours
-    if trains and args.device == "cpu" and args.dtype == "mixed" and not bf16_instructions():
-        print("note: this CPU names no bf16 instructions (avx512_bf16, amx_bf16); --dtype mixed emulates bf16 "
-              "products here and trains about 3x slower than --dtype float32 (docs/study.md)", file=sys.stderr)
     # Folders are named from float32 eager, the precision and mode of the records committed before the default
     # became mixed and compiled: those keep their plain names, every other setting gets a suffix.
     variant = (("" if args.dtype == "float32" else f"_{args.dtype}") + ("_compile" if args.compile else "")
                + ("" if args.device == "cpu" else f"_{args.device}") + rate)
     args.out = Path(args.out or REPO / variant_folder(args.settings["out"], variant))
     args.runs_dir = Path(args.runs_dir or REPO / variant_folder(args.settings["runs_dir"], variant))
+
+
+def note_emulated_bf16(args) -> None:
+    """A note on stderr where --dtype mixed is emulated on this CPU. Each study calls it last in parse_args, after
+    its own checks, so that a bad flag still gets its one line alone."""
+    trains = not (args.report_only or args.plan)
+    if trains and args.device == "cpu" and args.dtype == "mixed" and not bf16_instructions():
+        print("note: this CPU names no bf16 instructions (avx512_bf16, amx_bf16); --dtype mixed emulates bf16 "
+              "products here and trains about 3x slower than --dtype float32 (docs/study.md)", file=sys.stderr)
 
 
 def parse_study_args(parser: argparse.ArgumentParser, argv, budgets: dict, overrides: tuple[str, ...] = ()):
