@@ -63,8 +63,8 @@ def report_evidence(report: Path) -> tuple[list[tuple], list]:
     text = report.read_text()
     intervals = INTERVAL.findall(text)
     numbers = DECIMAL.findall(text)
-    # a study report's summary<suffix>.json; an lr grid's lr_grid.json
-    summary = report.with_suffix(".json") if report.stem == "lr_grid" else report.with_name(
+    # a study report's summary<suffix>.json; an lr grid's lr_grid.json, a budget map's budget_map.json
+    summary = report.with_suffix(".json") if report.stem in ("lr_grid", "budget_map") else report.with_name(
         "summary" + report.stem[len("report"):] + ".json")
 
     def walk(node):
@@ -311,7 +311,7 @@ def study_section_paragraphs(page: str, heading: str | None) -> list[tuple[str, 
     with every report the section links to."""
     text = (REPO / "docs" / page).read_text()
     section = text.split("\n## ")[0] if heading is None else text.split(f"\n## {heading}\n")[1].split("\n## ")[0]
-    reports = ["docs/" + link for link in re.findall(r"\]\(([^)#]*(?:report|lr_grid)[^)#]*\.md)", section)]
+    reports = ["docs/" + link for link in re.findall(r"\]\(([^)#]*(?:report|lr_grid|budget_map)[^)#]*\.md)", section)]
     reports += re.findall(r"`(docs/[^`]*report[^`]*\.md)`", section)  # a report named in code, not linked
     return [(part, reports) for part in re.split(r"\n\s*\n|\n(?=- )", section) if DECIMAL.search(part)]
 
