@@ -324,6 +324,7 @@ STUDY_SECTIONS = [
     ("depth_sweep_study.md", None), ("depth_sweep_study.md", "What the depth sweep found"),
     ("width_sweep_study.md", None), ("width_sweep_study.md", "What the width sweep found"),
     ("wikipedia_study.md", None), ("wikipedia_study.md", "What the Wikipedia depth sweep found"),
+    ("wikipedia_study.md", "The budget × depth map"),
 ]
 
 
