@@ -188,11 +188,15 @@ PROSE_CLAIMS = [
     ("on Wikipedia depth is not shown to pay for LNS: its slope and verdict", results_table.WIKIPEDIA,
      lambda s, _: f"is not shown to pay for LNS ({results_table.significant(slope(s, 'lns')['effect'])}, "
                   f"{slope(s, 'lns')['status']})" if not pays(s, "lns") else "pays for LNS"),
-    ("the budget x depth map's short budget, where depth pays for neither arm", results_table.WIKIPEDIA_SHORT,
-     lambda s, _: f"({s['settings']['steps']:,} updates) depth pays for neither arm"
-                  if not (pays(s, "pre") or pays(s, "lns")) else "depth pays"),
-    ("the lead's slope at the short budget: its direction and verdict", results_table.WIKIPEDIA_SHORT,
-     lambda s, _: f"at {s['settings']['steps']:,} updates it {lead_direction(s)}"),
+    ("the budget x depth map's shorter budgets, where depth pays for neither arm", results_table.WIKIPEDIA_SHORT,
+     lambda s, summaries: f"({s['settings']['steps']:,} and "
+                          f"{summaries[results_table.WIKIPEDIA_MIDDLE]['settings']['steps']:,} updates) depth pays for "
+                          "neither arm" if not any(pays(summary, arm) for arm in ("pre", "lns")
+                                                   for summary in (s, summaries[results_table.WIKIPEDIA_MIDDLE]))
+                          else "depth pays"),
+    *((f"the lead's slope at the {name} budget: its direction and verdict", summary,
+       lambda s, _: f"at {s['settings']['steps']:,} updates it {lead_direction(s)}")
+      for name, summary in (("short", results_table.WIKIPEDIA_SHORT), ("middle", results_table.WIKIPEDIA_MIDDLE))),
 ]
 
 
@@ -200,7 +204,7 @@ def lead_direction(summary: dict) -> str:
     """The lead's direction with depth and how sure it is: "grows in K of N seeds, its interval holding zero", or
     "grows" / "shrinks" "clear of zero over N seeds". No phrase is a prefix of another, so a README that keeps an old
     verdict fails."""
-    prediction = results_table.find(summary["predictions"], results_table.LEAD_PREDICTION, "the short budget")
+    prediction = results_table.find(summary["predictions"], results_table.LEAD_PREDICTION, "a budget's summary")
     verb = "grows" if prediction["effect"] > 0 else "shrinks"
     if prediction["status"] == verdicts.INSIDE_NOISE:
         agreeing = f"{prediction['n_agree']} of {prediction['n_pairs']} {prediction['unit']}"

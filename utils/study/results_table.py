@@ -31,10 +31,11 @@ STUDY_1500_LENS = "docs/study_long_avx2/summary.json"
 DEPTH = "docs/depth_sweep_mixed_compile/summary.json"
 DEPTH_LENS = "docs/depth_sweep_avx2/summary.json"
 WIDTH = "docs/width_sweep_mixed_compile/summary.json"
-# The 10,500-update sweep at 2e-3, and the budget x depth map's shortest budget beside it (issue 64): a finished run
-# of 2,400 updates, where depth pays for neither arm.
+# The 10,500-update sweep at 2e-3, and the budget x depth map's shorter budgets beside it (issue 64): finished runs of
+# 2,400 and 5,000 updates.
 WIKIPEDIA = "docs/depth_sweep_wikipedia_lr0.002/summary.json"
 WIKIPEDIA_SHORT = "docs/depth_sweep_wikipedia_2400_lr0.002/summary.json"
+WIKIPEDIA_MIDDLE = "docs/depth_sweep_wikipedia_5000_lr0.002/summary.json"
 
 LOSS, VARIANCE, ANGULAR, IDENTITY = (claim for claim, *_ in claims.CORE_CLAIMS)
 LENS = [claim for claim, *_ in claims.LENS_CLAIMS]
@@ -141,12 +142,18 @@ def depth_column(summaries: Summaries, summary: str, lens_summary: str) -> list[
             (cell(prediction, summary), prediction)]
 
 
+def wikipedia_column(summaries: Summaries, summary: str) -> tuple[str, list[tuple[str, dict] | None]]:
+    """One budget of the Wikipedia sweep at one rate; its own records carry block influence and the lens."""
+    settings = summaries[summary]["settings"]
+    return (f"Wikipedia, L = {min(settings['depths'])}–{max(settings['depths'])}, {settings['steps']:,} updates at "
+            f"lr {rate_text(settings['lr'])}", depth_column(summaries, summary, summary))
+
+
 def columns(summaries: Summaries) -> list[tuple[str, list[tuple[str, dict] | None]]]:
     """(header, one cell per row, None where the regime does not measure the claim) for each regime."""
     core = [LOSS, VARIANCE, ANGULAR, IDENTITY, claims.REMOVAL_CLAIM]
     lens_1500 = lens_note([pair_cell(summaries, STUDY_1500_LENS, claim)[1]["status"] for claim in LENS])
     depths, widths = (summaries[DEPTH]["settings"]["depths"], summaries[WIDTH]["settings"]["widths"])
-    wikipedia, short = summaries[WIKIPEDIA]["settings"], summaries[WIKIPEDIA_SHORT]["settings"]
     return [
         (f"embedded, {summaries[STUDY_300]['settings']['steps']:,} updates",
          [pair_cell(summaries, STUDY_300, claim) for claim in core] + [None, None]),
@@ -156,12 +163,7 @@ def columns(summaries: Summaries) -> list[tuple[str, list[tuple[str, dict] | Non
         (f"depth sweep, L = {min(depths)}–{max(depths)}", depth_column(summaries, DEPTH, DEPTH_LENS)),
         (f"width sweep, hidden {min(widths)}–{max(widths)}",
          [widest_cell(summaries, claim) for claim in core] + [None, None]),
-        (f"Wikipedia, L = {min(wikipedia['depths'])}–{max(wikipedia['depths'])}, {wikipedia['steps']:,} updates at "
-         f"lr {rate_text(wikipedia['lr'])}",
-         depth_column(summaries, WIKIPEDIA, WIKIPEDIA)),
-        (f"Wikipedia, L = {min(short['depths'])}–{max(short['depths'])}, {short['steps']:,} updates at "
-         f"lr {rate_text(short['lr'])}",
-         depth_column(summaries, WIKIPEDIA_SHORT, WIKIPEDIA_SHORT)),
+        *(wikipedia_column(summaries, summary) for summary in (WIKIPEDIA_SHORT, WIKIPEDIA_MIDDLE, WIKIPEDIA)),
     ]
 
 
