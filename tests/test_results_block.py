@@ -207,7 +207,9 @@ def lead_direction(summary: dict) -> str:
     prediction = results_table.find(summary["predictions"], results_table.LEAD_PREDICTION, "a budget's summary")
     verb = "grows" if prediction["effect"] > 0 else "shrinks"
     if prediction["status"] == verdicts.INSIDE_NOISE:
-        agreeing = f"{prediction['n_agree']} of {prediction['n_pairs']} {prediction['unit']}"
+        # n_agree counts the seeds that grow (the claim's sign); a shrinking mean names those that do not
+        seeds = prediction["n_agree"] if verb == "grows" else prediction["n_pairs"] - prediction["n_agree"]
+        agreeing = f"{seeds} of {prediction['n_pairs']} {prediction['unit']}"
         return f"{verb} in {agreeing}, its interval holding zero"
     return f"{verb}, clear of zero over {prediction['n_pairs']} {prediction['unit']}"
 
@@ -219,6 +221,12 @@ def test_no_lead_phrase_is_a_prefix_of_another():
     summary["predictions"][0]["status"] = verdicts.REPRODUCED
     clear = lead_direction(summary)
     assert not noisy.startswith(clear) and not clear.startswith(noisy)
+
+
+def test_a_shrinking_lead_counts_the_seeds_that_shrink():
+    prediction = dict(claim=results_table.LEAD_PREDICTION, effect=-0.02, status=verdicts.INSIDE_NOISE, n_pairs=3,
+                      n_agree=1, unit="seeds")
+    assert lead_direction({"predictions": [prediction]}) == "shrinks in 2 of 3 seeds, its interval holding zero"
 
 
 def prose_errors(prose: str, summaries: results_table.Summaries) -> list[str]:
