@@ -801,6 +801,34 @@ def test_depth_sweep_rivals_train_at_their_depths_and_are_judged_against_pre_ln_
     assert depth_sweep.rival_verdicts(default, records) == []
 
 
+def test_a_rival_without_block_jacobians_is_judged_by_block_influence_and_the_others_by_their_jacobian(tmp_path):
+    """AttnRes and mHC pass no running sum, so their records have no block Jacobian (issue 67): the depth sweep judges
+    their deep blocks against Pre-LN's by block influence, while GPAS and BHyT keep the ‖J − I‖ claim."""
+    args = depth_sweep.parse_args(["--budget", "rivals_2026", "--out", str(tmp_path / "report"),
+                                   "--runs_dir", str(tmp_path / "runs")])
+    records = {}
+    for seed in (1, 2, 3):
+        for arm, influence in (("pre", 0.010), ("lns", 0.010), ("gpas", 0.010), ("bhyt", 0.010), ("attnres", 0.030),
+                               ("mhc", 0.005)):
+            noise = 0.001 * SEED_NOISE[seed] * (arm in ("attnres", "mhc"))  # zero-mean over seeds
+            analysis = dict(crafted_analysis(), block_influence=[0.1] * 4 + [influence + noise] * 4)
+            if arm in ("attnres", "mhc"):
+                analysis["jacobian_rel_identity_dev"] = []
+            for depth in (24, 48):
+                records[f"L{depth}-{arm}-seed{seed}"] = dict(
+                    arm=f"L{depth}-{arm}", seed=seed, status="finished", final_eval_loss=5.0 + 0.01 * seed,
+                    eval_curve=[[4, 5.0]], analyses={"4": analysis})
+    found = {v.claim: v for v in depth_sweep.rival_verdicts(args, records)}
+    attnres = found["L=48: AttnRes's deep blocks change the stream more than Pre-LN's (AttnRes − Pre-LN deep block "
+                    "influence)"]
+    assert attnres.effect == pytest.approx(0.020) and attnres.status == verdicts.REPRODUCED and attnres.n_pairs == 3
+    mhc = found["L=24: mHC's deep blocks change the stream more than Pre-LN's (mHC − Pre-LN deep block influence)"]
+    assert mhc.effect == pytest.approx(-0.005) and mhc.status == verdicts.OPPOSITE
+    assert not any("identity" in claim for claim in found if "AttnRes" in claim or "mHC" in claim)
+    gpas = found["L=24: GPAS's deep blocks stay farther from the identity than Pre-LN's (GPAS − Pre-LN deep ‖J − I‖/√d)"]
+    assert gpas.n_pairs == 3
+
+
 def test_block_influence_is_the_fifth_measure_where_the_records_have_it():
     """Records analysed before block influence existed lack it: no column, panel or verdict then; with it, its own
     verdict row (LNS against Pre-LN, paired by seed)."""

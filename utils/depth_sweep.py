@@ -35,6 +35,7 @@ import numpy as np
 
 from peft_pretraining.cli import OneLineErrorParser
 from peft_pretraining.data.wikipedia_corpus import SINGLE_PASS_UPDATES, TRAIN_TOKENS
+from peft_pretraining.model.modeling_llama import PLACEMENTS
 from utils.study import claims, cli, measures, plots, report, runs, verdicts
 from utils.study.runs import RunSpec
 from utils.study.sweep import (
@@ -606,7 +607,8 @@ def gap_verdicts(axis: Axis, records) -> list[verdicts.Verdict]:
 
 def rival_verdicts(args, records) -> list[verdicts.Verdict]:
     """At each rival depth, each rival against Pre-LN and LNS in eval loss, and against Pre-LN in how far its deep
-    blocks stay from the identity (the fixes' claim: farther than Pre-LN's), paired by seed."""
+    blocks stay from the identity (the fixes' claim: farther than Pre-LN's; by block influence where the stream is
+    not a running sum), paired by seed."""
     s, axis = args.settings, depth_axis(args)
     found = []
     for depth in (d for d in s.get("rival_depths", ()) if d in s["depths"]):
@@ -617,10 +619,14 @@ def rival_verdicts(args, records) -> list[verdicts.Verdict]:
                     f"L={depth}: {label} reaches a lower eval loss than {NORMS[baseline]} "
                     f"({label} − {NORMS[baseline]})", -1, measures.by_seed(records, axis.arm(depth, baseline), "eval_loss"),
                     measures.by_seed(records, rival, "eval_loss"), (NORMS[baseline], label)))
-            found.append(verdicts.judge_seeds(
-                f"L={depth}: {label}'s deep blocks stay farther from the identity than Pre-LN's ({label} − Pre-LN "
-                "deep ‖J − I‖/√d)", +1, measures.by_seed(records, axis.arm(depth, "pre"), "jacobian_deep"),
-                measures.by_seed(records, rival, "jacobian_deep"), ("Pre-LN", label)))
+            # A block Jacobian needs a running-sum stream; AttnRes and mHC's blocks are judged by block influence
+            claim, measure = ((f"stay farther from the identity than Pre-LN's ({label} − Pre-LN deep ‖J − I‖/√d)",
+                               "jacobian_deep") if PLACEMENTS[norm].stream is None else
+                              (f"change the stream more than Pre-LN's ({label} − Pre-LN deep block influence)",
+                               "bi_deep"))
+            pre = measures.by_seed(records, axis.arm(depth, "pre"), measure)
+            found.append(verdicts.judge_seeds(f"L={depth}: {label}'s deep blocks {claim}", +1, pre,
+                                              measures.by_seed(records, rival, measure), ("Pre-LN", label)))
             for baseline in ("pre", "lns"):  # each fix claims to keep the stream's variance in check
                 found.append(verdicts.judge_seeds(
                     f"L={depth}: {label} holds the variance growth below {NORMS[baseline]}'s (log ratio)", -1,

@@ -75,6 +75,8 @@ STUDIES = (
           "docs/depth_sweep_mixed_compile/report.md", DEPTH),
     Study("depth_sweep_rivals", "python utils/depth_sweep.py --budget rivals --dtype mixed --compile",
           "docs/depth_sweep_mixed_compile/report_rivals.md", DEPTH),
+    Study("depth_sweep_rivals_2026", "python utils/depth_sweep.py --budget rivals_2026 --dtype mixed --compile",
+          "docs/depth_sweep_mixed_compile/report_rivals_2026.md", DEPTH),
     Study("wikipedia_pilot", WIKIPEDIA_PILOT, "docs/depth_sweep_wikipedia/report_pilot.md", WIKIPEDIA),
     Study("wikipedia_pilot_lr5e-4", f"{WIKIPEDIA_PILOT} --lr 5e-4 --depths 12 24",
           "docs/depth_sweep_wikipedia_lr0.0005/report_pilot.md", WIKIPEDIA),
