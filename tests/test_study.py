@@ -825,7 +825,8 @@ def test_a_rival_without_block_jacobians_is_judged_by_block_influence_and_the_ot
     mhc = found["L=24: mHC's deep blocks change the stream more than Pre-LN's (mHC − Pre-LN deep block influence)"]
     assert mhc.effect == pytest.approx(-0.005) and mhc.status == verdicts.OPPOSITE
     assert not any("identity" in claim for claim in found if "AttnRes" in claim or "mHC" in claim)
-    gpas = found["L=24: GPAS's deep blocks stay farther from the identity than Pre-LN's (GPAS − Pre-LN deep ‖J − I‖/√d)"]
+    gpas = found["L=24: GPAS's deep blocks stay farther from the identity than Pre-LN's (GPAS − Pre-LN deep "
+                 "‖J − I‖/√d)"]
     assert gpas.n_pairs == 3
 
 
