@@ -156,6 +156,10 @@ def pays(summary: dict, arm: str) -> bool:
     return summary["regime"]["depth_pays"][arm]
 
 
+def pays_for_neither(*summaries: dict) -> bool:
+    return not any(pays(summary, arm) for summary in summaries for arm in ("pre", "lns"))
+
+
 def slope(summary: dict, arm: str) -> dict:
     return summary["regime"]["slopes"][arm]
 
@@ -174,7 +178,7 @@ PROSE_CLAIMS = [
      lambda s, summaries: f"({s['settings']['steps']:,} and "
                           f"{summaries[results_table.STUDY_1500]['settings']['steps']:,} updates)"),
     ("on the embedded corpus depth pays for neither arm", results_table.DEPTH,
-     lambda s, _: "where depth does not pay" if not (pays(s, "pre") or pays(s, "lns")) else "where depth pays"),
+     lambda s, _: "where depth does not pay" if pays_for_neither(s) else "where depth pays"),
     ("the embedded depth sweep's loss slopes, both arms opposite to 'falls with depth'", results_table.DEPTH,
      lambda s, _: "adding layers raises both arms' eval loss (slope against ln L "
                   f"{results_table.significant(slope(s, 'pre')['effect'])} for Pre-LN, "
@@ -191,8 +195,7 @@ PROSE_CLAIMS = [
     ("the budget x depth map's shorter budgets, where depth pays for neither arm", results_table.WIKIPEDIA_SHORT,
      lambda s, summaries: f"({s['settings']['steps']:,} and "
                           f"{summaries[results_table.WIKIPEDIA_MIDDLE]['settings']['steps']:,} updates) depth pays for "
-                          "neither arm" if not any(pays(summary, arm) for arm in ("pre", "lns")
-                                                   for summary in (s, summaries[results_table.WIKIPEDIA_MIDDLE]))
+                          "neither arm" if pays_for_neither(s, summaries[results_table.WIKIPEDIA_MIDDLE])
                           else "depth pays"),
     *((f"the lead's slope at the {name} budget: its direction and verdict", summary,
        lambda s, _: f"at {s['settings']['steps']:,} updates it {lead_direction(s)}")
