@@ -69,6 +69,8 @@ STUDIES = (
           "docs/study_long_mixed_compile/report.md", CPU_STUDY),
     Study("long_rivals", "python utils/compare_norms.py --budget long_rivals --dtype mixed --compile",
           "docs/study_long_mixed_compile/report_rivals.md", CPU_STUDY),
+    Study("long_rivals_2026", "python utils/compare_norms.py --budget long_rivals_2026 --dtype mixed --compile",
+          "docs/study_long_mixed_compile/report_rivals_2026.md", CPU_STUDY),
     Study("depth_sweep", "python utils/depth_sweep.py --dtype float32 --no-compile", "docs/depth_sweep/report.md",
           DEPTH),
     Study("depth_sweep_mixed", "python utils/depth_sweep.py --dtype mixed --compile",
