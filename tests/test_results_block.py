@@ -197,10 +197,29 @@ PROSE_CLAIMS = [
                           f"{summaries[results_table.WIKIPEDIA_MIDDLE]['settings']['steps']:,} updates) depth pays for "
                           "neither arm" if pays_for_neither(s, summaries[results_table.WIKIPEDIA_MIDDLE])
                           else "depth pays"),
+    ("Attention Residuals beats LNS at 1,500 updates: its interval", results_table.STUDY_1500_RIVALS_2026,
+     lambda s, _: f"so, over {against_lns(s, 'attnres')['n_pairs']} seeds at {s['settings']['steps']:,} updates, does "
+                  f"Attention Residuals ({interval_text(against_lns(s, 'attnres'))} nats)"
+                  if against_lns(s, "attnres")["status"] == verdicts.REPRODUCED else "(AttnRes does not beat LNS)"),
+    ("mHC against LNS at 1,500 updates: its verdict and interval", results_table.STUDY_1500_RIVALS_2026,
+     lambda s, _: "while mHC " + {verdicts.REPRODUCED: "beats it (", verdicts.OPPOSITE: "trails it (",
+                                  verdicts.INSIDE_NOISE: "is level with it ("}[against_lns(s, "mhc")["status"]]
+                  + interval_text(against_lns(s, "mhc"))
+                  + (", inside noise)" if against_lns(s, "mhc")["status"] == verdicts.INSIDE_NOISE else ")")),
     *((f"the lead's slope at the {name} budget: its direction and verdict", summary,
        lambda s, _: f"at {s['settings']['steps']:,} updates it {lead_direction(s)}")
       for name, summary in (("short", results_table.WIKIPEDIA_SHORT), ("middle", results_table.WIKIPEDIA_MIDDLE))),
 ]
+
+
+def against_lns(summary: dict, arm: str) -> dict:
+    """A compare_norms summary's verdict of `arm`'s eval loss against LNS's, paired by seed."""
+    return summary["per_arm_eval_loss"][arm]["lns"]
+
+
+def interval_text(verdict: dict) -> str:
+    return " ".join([results_table.significant(verdict["effect"]), "[" + ", ".join(
+        results_table.significant(verdict[end]) for end in ("low", "high")) + "]"])
 
 
 def lead_direction(summary: dict) -> str:
@@ -266,6 +285,18 @@ def test_the_prose_check_catches_a_drifted_number_an_unnamed_one_and_a_verbal_cl
     wikipedia["regime"]["depth_pays"]["lns"] = True  # a summary that says depth pays for LNS
     assert any(error.startswith("on Wikipedia depth is not shown to pay for LNS") for error in
                prose_errors(prose, summaries))
+
+
+def test_the_rivals_line_follows_the_2026_rivals_verdicts():
+    summaries = results_table.Summaries(REPO)
+    prose = prose_of(readme_block(README.read_text()))
+    assert prose_errors(prose, summaries) == []
+    rivals = summaries[results_table.STUDY_1500_RIVALS_2026]["per_arm_eval_loss"]
+    rivals["mhc"]["lns"]["status"] = verdicts.OPPOSITE  # mHC now trails LNS, clear of zero
+    rivals["attnres"]["lns"]["high"] = 0.01  # AttnRes's interval now holds zero
+    errors = prose_errors(prose, summaries)
+    assert [error.split(":")[0] for error in errors[:2]] == [
+        "Attention Residuals beats LNS at 1,500 updates", "mHC against LNS at 1,500 updates"]
 
 
 def test_the_table_follows_its_summaries(tmp_path):
@@ -335,7 +366,7 @@ STUDY_SECTIONS = [
     ("cpu_study.md", None), ("cpu_study.md", "What the study found"),
     ("rivals_study.md", None), ("rivals_study.md", "What the rivals extension found (300 updates)"),
     ("rivals_study.md", "What the rivals found at 1,500 updates"),
-    ("rivals_study.md", "Attention Residuals and mHC (issue 67): 300 updates, and what is still to train"),
+    ("rivals_study.md", "Attention Residuals and mHC (issue 67)"),
     ("depth_sweep_study.md", None), ("depth_sweep_study.md", "What the depth sweep found"),
     ("width_sweep_study.md", None), ("width_sweep_study.md", "What the width sweep found"),
     ("wikipedia_study.md", None), ("wikipedia_study.md", "What the Wikipedia depth sweep found"),

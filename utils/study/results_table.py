@@ -36,6 +36,8 @@ WIDTH = "docs/width_sweep_mixed_compile/summary.json"
 WIKIPEDIA = "docs/depth_sweep_wikipedia_lr0.002/summary.json"
 WIKIPEDIA_SHORT = "docs/depth_sweep_wikipedia_2400_lr0.002/summary.json"
 WIKIPEDIA_MIDDLE = "docs/depth_sweep_wikipedia_5000_lr0.002/summary.json"
+# The 2026 rivals (Attention Residuals, mHC) at 1,500 updates, beside LNS (issue 67); the README's prose reads it.
+STUDY_1500_RIVALS_2026 = "docs/study_long_mixed_compile/summary_rivals_2026.json"
 
 LOSS, VARIANCE, ANGULAR, IDENTITY = (claim for claim, *_ in claims.CORE_CLAIMS)
 LENS = [claim for claim, *_ in claims.LENS_CLAIMS]
