@@ -14,7 +14,7 @@ import tqdm.auto
 
 from tests.analysis_helpers import read_records
 from utils import compare_norms, depth_sweep, width_sweep
-from utils.study import analyse, claims, cli, host, measures, report, runs, sweep, verdicts
+from utils.study import analyse, claims, cli, depth_verdicts, host, measures, report, runs, sweep, verdicts
 from utils.study import records as record_store
 
 # Zero-mean per-seed noise for crafted records: paired differences that agree exactly at every seed are not
@@ -337,18 +337,18 @@ def test_a_one_seed_sweep_reports_each_seeds_own_comparative_slopes():
     records = {name: record for name, record in read_records(runs.REPO / "docs/depth_sweep_wikipedia").items()
                if name.endswith("-seed1")}
     values = {(r["arm"], "jacobian_deep"): measures.measures_at(r)["jacobian_deep"] for r in records.values()}
-    single = depth_sweep.one_seed_slopes(axis, records, depth_sweep.comparative_verdicts(axis, records))
+    single = depth_verdicts.one_seed_slopes(axis, records, depth_verdicts.comparative_verdicts(axis, records))
     jacobian = next(s for s in single if s["measure"] == "jacobian_deep")
     both = [d for d in axis.values if (f"L{d}-pre", "jacobian_deep") in values and (f"L{d}-lns", "jacobian_deep")
             in values]
     assert jacobian["values"] == both and jacobian["seed"] == 1 and len(both) >= 2
     gaps = [values[(f"L{d}-lns", "jacobian_deep")] - values[(f"L{d}-pre", "jacobian_deep")] for d in both]
     assert jacobian["gap_slope"] == pytest.approx(np.polyfit(np.log(both), gaps, 1)[0])
-    text = depth_sweep.one_seed_text(axis, single)
+    text = depth_verdicts.one_seed_text(axis, single)
     assert "With one seed there is no interval" in text and f"{jacobian['gap_slope']:+.4g}" in text
     second = {name.replace("seed1", "seed2"): dict(r, seed=2) for name, r in records.items()}
     records.update(second)
-    assert depth_sweep.one_seed_slopes(axis, records, depth_sweep.comparative_verdicts(axis, records)) == []
+    assert depth_verdicts.one_seed_slopes(axis, records, depth_verdicts.comparative_verdicts(axis, records)) == []
 
 
 def test_a_probe_that_did_not_finish_measures_no_overfitting_point(tmp_path):
@@ -785,7 +785,7 @@ def test_depth_sweep_rivals_train_at_their_depths_and_are_judged_against_pre_ln_
                 records[f"L{depth}-{arm}-seed{seed}"] = record(f"L{depth}-{arm}", seed, loss + 0.01 * seed + noise,
                                                                gap + 0.001 * seed * (arm == "gpas"),
                                                                math.exp(10 * noise))
-    found = {v.claim: v for v in depth_sweep.rival_verdicts(args, records)}
+    found = {v.claim: v for v in depth_verdicts.rival_verdicts(depth_sweep.depth_axis(args), records, args.settings)}
     assert len(found) == 2 * 2 * 5 + 2  # per depth and rival: loss vs Pre-LN and LNS, identity gap, variance x2
     growth = found["BHyT gains on LNS from L=24 to L=48 (change in BHyT − LNS eval loss)"]
     assert growth.effect == pytest.approx(0.0) and growth.n_pairs == 3  # the crafted losses ignore depth
@@ -797,8 +797,8 @@ def test_depth_sweep_rivals_train_at_their_depths_and_are_judged_against_pre_ln_
     assert bhyt_loss.effect == pytest.approx(0.3) and bhyt_loss.status == verdicts.OPPOSITE
     gpas_identity = next(v for claim, v in found.items() if claim.startswith("L=24: GPAS's deep blocks"))
     assert gpas_identity.effect == pytest.approx(0.102) and gpas_identity.status == verdicts.REPRODUCED
-    assert "## GPAS and BHyT at L = 24, 48" in depth_sweep.rivals_section(list(found.values()), args)
-    assert depth_sweep.rival_verdicts(default, records) == []
+    assert "## GPAS and BHyT at L = 24, 48" in depth_verdicts.rivals_section(list(found.values()), args.settings)
+    assert depth_verdicts.rival_verdicts(depth_sweep.depth_axis(default), records, default.settings) == []
 
 
 def test_a_rival_without_block_jacobians_is_judged_by_block_influence_and_the_others_by_their_jacobian(tmp_path):
@@ -818,7 +818,7 @@ def test_a_rival_without_block_jacobians_is_judged_by_block_influence_and_the_ot
                 records[f"L{depth}-{arm}-seed{seed}"] = dict(
                     arm=f"L{depth}-{arm}", seed=seed, status="finished", final_eval_loss=5.0 + 0.01 * seed,
                     eval_curve=[[4, 5.0]], analyses={"4": analysis})
-    found = {v.claim: v for v in depth_sweep.rival_verdicts(args, records)}
+    found = {v.claim: v for v in depth_verdicts.rival_verdicts(depth_sweep.depth_axis(args), records, args.settings)}
     attnres = found["L=48: AttnRes's deep blocks change the stream more than Pre-LN's (AttnRes − Pre-LN deep block "
                     "influence)"]
     assert attnres.effect == pytest.approx(0.020) and attnres.status == verdicts.REPRODUCED and attnres.n_pairs == 3
@@ -863,7 +863,7 @@ def test_the_depth_sweep_predicts_block_influence_only_from_pre_lns_own_records(
     def claims(pre_has_it):
         records = {f"L{d}-{norm}-seed{seed}": record(f"L{d}-{norm}", seed, d, norm != "pre" or pre_has_it)
                    for d in (2, 4) for norm in ("pre", "lns", "gpas") for seed in (1, 2)}
-        return [v.claim for v in depth_sweep.depth_verdicts(args, records)]
+        return [v.claim for v in depth_verdicts.depth_verdicts(depth_sweep.depth_axis(args), records)]
 
     assert not any("block influence" in claim for claim in claims(pre_has_it=False))
     assert any("block influence" in claim for claim in claims(pre_has_it=True))
@@ -908,7 +908,7 @@ def test_the_depth_sweep_compares_the_logit_lens_only_where_the_records_have_it(
     wobble = {1: 1.0, 2: 1.02, 3: 0.97}
     records = depth_records(lambda norm, depth, seed: 0.1, lambda norm, depth, seed: 5.0)
     assert not {"lens_kl_deep", "relative_prediction_depth"} & {
-        c.measure for c in depth_sweep.comparative_verdicts(axis, records)}
+        c.measure for c in depth_verdicts.comparative_verdicts(axis, records)}
     for record in records.values():  # Pre-LN's prediction settles ever earlier with depth, LNS's stays near 0.8 L
         depth, norm, seed = int(record["arm"].split("-")[0][1:]), record["arm"].split("-")[1], record["seed"]
         # each seed's own slope of the log ratio is 1 + 0.01 SEED_NOISE: 1 on average over the seeds
@@ -916,7 +916,7 @@ def test_the_depth_sweep_compares_the_logit_lens_only_where_the_records_have_it(
         # LNS's deep lens KL drifts with ln L one way at seed 1 and the other at seed 3: no slope on average
         deep_kl = 0.5 + (0.01 * SEED_NOISE[seed] * math.log(depth) if norm == "lns" else 0.0)
         record["analyses"]["4"].update(lens_kl=[0.5] * 4 + [deep_kl] * 3 + [0.0], prediction_depth_mean=settles_at * 8)
-    found = {c.measure: c for c in depth_sweep.comparative_verdicts(axis, records)}
+    found = {c.measure: c for c in depth_verdicts.comparative_verdicts(axis, records)}
     assert found["relative_prediction_depth"].ratio.effect == pytest.approx(1.0)  # ln(0.8 / (3 / L)) = ln L + const
     assert found["relative_prediction_depth"].ratio.status == verdicts.REPRODUCED
     assert found["lens_kl_deep"].gap.effect == pytest.approx(0.0, abs=1e-12)
@@ -984,35 +984,35 @@ def test_comparative_depth_verdicts_tell_a_narrowing_gap_from_a_growing_ratio():
         return (0.5 * (1 + 0.05 * math.sin(depth * seed)) if norm == "lns" else 1.0) * wobble[seed] / depth
 
     proportional = depth_records(shrinking_in_proportion, loss)
-    jacobian = next(c for c in depth_sweep.comparative_verdicts(axis, proportional) if c.measure == "jacobian_deep")
+    jacobian = next(c for c in depth_verdicts.comparative_verdicts(axis, proportional) if c.measure == "jacobian_deep")
     assert jacobian.gap.status == verdicts.REPRODUCED and jacobian.gap.effect > 0
     assert jacobian.ratio.status == verdicts.INSIDE_NOISE and abs(jacobian.ratio.effect) < 0.05
     assert "the relative change is open" in jacobian.reading()
 
     diverging = depth_records(lambda norm, depth, seed: wobble[seed] * (
         0.3 * depth ** (0.01 * SEED_NOISE[seed]) if norm == "lns" else 3.0 / depth), loss)  # ratio slopes 1 ± 0.01
-    jacobian = next(c for c in depth_sweep.comparative_verdicts(axis, diverging) if c.measure == "jacobian_deep")
+    jacobian = next(c for c in depth_verdicts.comparative_verdicts(axis, diverging) if c.measure == "jacobian_deep")
     assert (jacobian.gap.status, jacobian.ratio.status) == (verdicts.REPRODUCED, verdicts.REPRODUCED)
     assert jacobian.ratio.effect == pytest.approx(1.0)  # ln(0.3 / (3 / L)) = ln L + const
     # block influence only in Pre-LN's records: reported, not measurable, with the reason
     for name, record in diverging.items():
         if name.split("-")[1] == "pre":
             record["analyses"]["4"]["block_influence"] = [0.3] * 8
-    influence = next(c for c in depth_sweep.comparative_verdicts(axis, diverging) if c.measure == "bi_deep")
+    influence = next(c for c in depth_verdicts.comparative_verdicts(axis, diverging) if c.measure == "bi_deep")
     assert influence.gap.status == verdicts.NOT_MEASURABLE and "LNS's records" in influence.gap.reason
 
     # a value of 0 or below has no log: the ratio's slope is fitted without that pair, and the report says so
     with_a_zero = depth_records(lambda norm, depth, seed: 0.0 if (norm, depth, seed) == ("pre", 6, 1) else
                                 shrinking_in_proportion(norm, depth, seed), loss)
-    jacobian = next(c for c in depth_sweep.comparative_verdicts(axis, with_a_zero) if c.measure == "jacobian_deep")
+    jacobian = next(c for c in depth_verdicts.comparative_verdicts(axis, with_a_zero) if c.measure == "jacobian_deep")
     assert "leaves out the pairs where a value is 0 or below (L = 6: seed 1)" in jacobian.ratio.reason
-    assert "ratio: " in depth_sweep.comparative_section([jacobian]) and not jacobian.gap.reason
-    assert "| not measurable |" in depth_sweep.comparative_section([influence])
+    assert "ratio: " in depth_verdicts.comparative_section([jacobian]) and not jacobian.gap.reason
+    assert "| not measurable |" in depth_verdicts.comparative_section([influence])
 
-    words, summary = depth_sweep.regime(axis, diverging, "the held-out novel")
+    words, summary = depth_verdicts.regime(axis, diverging, "the held-out novel")
     assert words.startswith("**Depth does not pay here**") and summary["depth_pays"] == {"pre": False, "lns": False}
     assert summary["lowest_at"] == {"pre": 6, "lns": 6}
-    words, summary = depth_sweep.regime(axis, depth_records(lambda *key: 0.1, lambda n, d, s: loss(n, 96 // d, s)),
+    words, summary = depth_verdicts.regime(axis, depth_records(lambda *key: 0.1, lambda n, d, s: loss(n, 96 // d, s)),
                                         "the held-out novel")
     assert words.startswith("**Depth pays here**") and summary["lowest_at"] == {"pre": 48, "lns": 48}
 
@@ -1204,7 +1204,7 @@ def test_the_regime_judges_each_step_of_depth_where_the_slope_cannot_see_the_mid
     bowl = {6: 4.50, 12: 4.40, 24: 4.50}
     records = depth_records(lambda *key: 0.1, lambda norm, depth, seed: bowl[depth] + 0.01 * SEED_NOISE[seed] * (
         depth % 5), depths=(6, 12, 24))
-    text, summary = depth_sweep.regime(axis, records, "the held-out novel")
+    text, summary = depth_verdicts.regime(axis, records, "the held-out novel")
     assert summary["slopes"]["pre"]["status"] == verdicts.INSIDE_NOISE
     steps = {v["claim"]: v["status"] for v in summary["steps"]}
     assert steps == {f"{label}: L={b} reaches a lower eval loss than L={a} (L={b} − L={a})": status
@@ -1212,7 +1212,7 @@ def test_the_regime_judges_each_step_of_depth_where_the_slope_cannot_see_the_mid
                      for (a, b), status in (((6, 12), verdicts.REPRODUCED), ((12, 24), verdicts.OPPOSITE))}
     assert "Each step, paired by seed" in text and text.count("3/3 seeds") == 2
     one_seed = {name: record for name, record in records.items() if record["seed"] == 1}
-    assert "steps" not in depth_sweep.regime(axis, one_seed, "the held-out novel")[1]
+    assert "steps" not in depth_verdicts.regime(axis, one_seed, "the held-out novel")[1]
 
 
 def test_a_one_seed_sweep_judges_depth_and_the_gap_on_the_held_out_documents():
@@ -1234,7 +1234,7 @@ def test_a_one_seed_sweep_judges_depth_and_the_gap_on_the_held_out_documents():
         record["analyses"]["4"].update(removal_document_nats=per_document(norm, depth),
                                        removal_document_costs=[[0.01] * 8] * 8)
     del records["L6-pre-seed1"]  # an arm compares the depths it has: Pre-LN 12 against 24 only
-    text, summary = depth_sweep.regime(axis, records, "the held-out Wikipedia articles")
+    text, summary = depth_verdicts.regime(axis, records, "the held-out Wikipedia articles")
     assert text.startswith("**Not judged over seeds**")
     found = {v["claim"]: v for v in summary["documents"]}
     assert list(found) == ["Pre-LN: L=24 reaches a lower held-out loss than L=12 (L=24 − L=12)",
@@ -1254,7 +1254,7 @@ def test_a_one_seed_sweep_judges_depth_and_the_gap_on_the_held_out_documents():
         record["analyses"]["4"].update(removal_document_nats=documents, removal_document_costs=[[0.01] * 8] * 8)
     for seed in (2, 3):
         three_seeds[f"L24-pre-seed{seed}"]["status"] = "diverged"
-    text, summary = depth_sweep.regime(axis, three_seeds, "the held-out novel")
+    text, summary = depth_verdicts.regime(axis, three_seeds, "the held-out novel")
     assert summary["slopes"]["lns"]["status"] != verdicts.NOT_MEASURABLE
     assert "documents" not in summary and "held-out documents" not in text
 

@@ -12,6 +12,8 @@ only their budgets, arms and report templates. No script imports another.
     measures   the scalar measures a record's analyses are summarised into, per arm and seed
     claims     the paper's claims about LNS against Pre-LN as paired verdicts on two arms, and their report text
     sweep      what the depth and width sweeps share: the axis, configs, flags, slopes against ln of the swept value
+    depth_verdicts  what a depth sweep's records say: the predictions' slopes against ln L, LNS against Pre-LN
+                    comparatively, the regime (does depth pay?), the rivals against both
     verdicts   paired verdicts with an effect and its 95% interval
     plots      the figures every study draws, saved as small palette PNGs
     report     the report's shared lines: what made it, how complete, how long, where it is saved
