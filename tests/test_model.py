@@ -484,3 +484,16 @@ def test_export_copies_the_tokenizer_without_a_question_or_a_model_type_warning(
     assert result.returncode == 0, result.stderr[-2000:]
     assert "to instantiate a model of type" not in result.stderr and "custom code" not in result.stderr
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
+
+
+def test_upstream_import_path_builds_our_model():
+    """`from peft_pretraining.modeling_llama import LlamaForCausalLM`, the upstream repository's path, in a fresh
+    interpreter (a cached module would hide a broken path): it is our model, and it builds an LNS model."""
+    code = ("from peft_pretraining.modeling_llama import LlamaForCausalLM, build_config\n"
+            "import peft_pretraining.model.modeling_llama as ours\n"
+            "assert LlamaForCausalLM is ours.LlamaForCausalLM\n"
+            f"model = LlamaForCausalLM(build_config({str(TINY)!r}, norm_type='lns'))\n"
+            "print(model.config.norm_type)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "lns"

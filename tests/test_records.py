@@ -1,6 +1,7 @@
 """Run records on disk (utils/study/records.py), and the weight of what the repository tracks (issue 65)."""
 import gzip
 import json
+import shutil
 import subprocess
 
 import pytest
@@ -30,15 +31,41 @@ def test_an_older_folder_is_read_as_it_is_and_converted_in_place(tmp_path):
     assert records.read(records.find(tmp_path, "L6-pre-seed1")) == RECORD
 
 
-def test_a_damaged_record_is_a_value_error_and_a_missing_folder_one_line(tmp_path, capsys):
+def test_a_damaged_record_is_an_error_naming_it_and_a_missing_folder_one_line(tmp_path, capsys):
     path = records.write(tmp_path, "L6-pre-seed1", RECORD)
     path.write_bytes(path.read_bytes()[:20])
-    with pytest.raises(ValueError):
+    with pytest.raises(records.UnreadableRecord, match="L6-pre-seed1.json.gz: not a readable run record"):
         records.read(path)
-    assert records.read_or_none(path) is None and records.read_or_none(None) is None
+    with pytest.raises(records.UnreadableRecord):
+        records.read_if_present(path)
+    assert records.read_if_present(None) is None  # absent is the one case that is not an error
     with pytest.raises(SystemExit) as stopped:
         records.main(["convert", str(tmp_path / "nowhere")])
     assert stopped.value.code == 2 and "folders: no folder" in capsys.readouterr().err
+
+
+CORRUPTIONS = {"garbage": lambda data: b"not a record at all", "cut gzip": lambda data: data[:len(data) // 2]}
+
+
+@pytest.mark.parametrize("corruption", CORRUPTIONS)
+def test_a_corrupt_committed_record_stops_the_report_and_rewrites_nothing(tmp_path, capsys, corruption):
+    """Issue 80: a corrupt record used to be skipped, and --report_only rewrote the report as partial, with changed
+    numbers. Now the study exits BAD_INPUT with one line naming the file, and every file is as it was."""
+    from peft_pretraining.exit_codes import ExitCode
+    from utils import depth_sweep
+
+    committed = runs.REPO / "docs/depth_sweep_wikipedia_5000_lr0.002"
+    out = tmp_path / "report"
+    shutil.copytree(committed, out)
+    victim = out / "runs" / "L12-lns-seed2.json.gz"
+    victim.write_bytes(CORRUPTIONS[corruption](victim.read_bytes()))
+    before = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+    code = depth_sweep.main(["--budget", "wikipedia_5000", "--lr", "2e-3", "--dtype", "float32", "--no-compile",
+                             "--out", str(out), "--report_only"])
+    assert code == ExitCode.BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(victim) in err[0] and "not a readable run record" in err[0]
+    assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == before
 
 
 def tracked_files() -> list:

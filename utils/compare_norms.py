@@ -538,6 +538,7 @@ Raw numbers: one JSON record per run in `runs/` (flags, eval curve, every analys
     return report.write_report_files(out, text, summary, suffix)
 
 
+@cli.stop_on_unreadable_record
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)

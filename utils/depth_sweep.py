@@ -104,6 +104,19 @@ BUDGETS["wikipedia_2400"] = dict(BUDGETS["wikipedia"], steps=2_400, warmup=240, 
 BUDGETS["wikipedia_5000"] = dict(BUDGETS["wikipedia"], steps=5_000, warmup=500, save_every=625, depths=(6, 12, 24),
                                  first_depths=(), out="docs/depth_sweep_wikipedia_5000",
                                  runs_dir="runs/depth_sweep_wikipedia_5000")
+# Issue 79, what LNS is worth in compute: a shorter budget below 2,400 (so that the multiplier there is bracketed by
+# Pre-LN's finished runs), and the map at twice the width (heads of 16 as in the width sweep, its MLP ratio, the
+# same vocabulary). Saves at an interval that divides the analysis points (thirds).
+BUDGETS["wikipedia_1200"] = dict(BUDGETS["wikipedia_2400"], steps=1_200, warmup=120, save_every=400,
+                                 out="docs/depth_sweep_wikipedia_1200", runs_dir="runs/depth_sweep_wikipedia_1200")
+WIDE = dict(hidden_size=128, intermediate_size=352, num_attention_heads=8, depths=(6, 12, 24))
+BUDGETS["wikipedia_2400_h128"] = dict(BUDGETS["wikipedia_2400"], **WIDE, out="docs/depth_sweep_wikipedia_2400_h128",
+                                      runs_dir="runs/depth_sweep_wikipedia_2400_h128")
+BUDGETS["wikipedia_5000_h128"] = dict(BUDGETS["wikipedia_5000"], **WIDE, out="docs/depth_sweep_wikipedia_5000_h128",
+                                      runs_dir="runs/depth_sweep_wikipedia_5000_h128")
+# Attention Residuals beside Pre-LN and LNS on the 2,400-update budget, in its own report over the same records
+BUDGETS["wikipedia_2400_attnres"] = dict(BUDGETS["wikipedia_2400"], rival_norms=("attnres",), rival_depths=(6, 12, 24),
+                                         report_suffix="_attnres")
 # Issue 68, the paper's width on one GPU: the 130M block shape (hidden 768, 12 heads of 64, MLP 2048) at L = 6, 12
 # and 24 on the Wikipedia split. A step is 64 sequences of 256 tokens, the paper's 130M micro-batch (run_130m.sh
 # --batch_size 64) without its 8-fold accumulation, so that one pass is some 1,350 updates rather than 170: enough for
@@ -555,6 +568,7 @@ def estimate_lines(found: dict) -> str:
             f"{found['analysis_seconds_per_checkpoint']:g} s per analysed checkpoint: an estimate, not a measurement)")
 
 
+@cli.stop_on_unreadable_record
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)

@@ -372,6 +372,7 @@ Raw numbers: one JSON record per run in `runs/`, `{csv_path.name}` and `summary{
     return report.write_report_files(out, text, summary, suffix)
 
 
+@cli.stop_on_unreadable_record
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args, started = parse_args(argv), time.time()

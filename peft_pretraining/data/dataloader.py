@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+import itertools
 import json
 import logging
 import math
@@ -842,6 +843,18 @@ def iter_eval_batches(*, dataset: str, dataset_path: str | None, tokenizer, max_
         return
     for start in range(0, len(mine["input_ids"]), batch_size):
         yield {key: value[start:start + batch_size].contiguous() for key, value in mine.items()}
+
+
+def iter_validation_row_batches(*, dataset: str, dataset_path: str | None, tokenizer, max_length: int,
+                                packing: bool, batch_size: int, first_row: int, rows: int,
+                                dataset_config: str | None = None) -> Iterator[dict]:
+    """Validation rows first_row .. first_row + rows - 1 in file order (the rows the eval set starts from), batched:
+    text that an eval of fewer than first_row rows never reads (the studies choose learning rates on it)."""
+    source = _make_source(dataset=dataset, dataset_path=dataset_path, split="validation", seed=0, rank=0,
+                          world_size=1, shuffle=False, dataset_config=dataset_config)
+    selected = itertools.islice(_eval_rows(source, tokenizer, max_length, packing), first_row, first_row + rows)
+    while batch_rows := list(itertools.islice(selected, batch_size)):
+        yield _rows_to_batch(batch_rows, max_length, tokenizer.pad_token_id)
 
 
 def _eval_set_batches(source, tokenizer, max_length: int, batch_size: int, eval_tokens: int,

@@ -51,7 +51,7 @@ def read_folder(folder: Path) -> dict[str, dict]:
         raise ValueError(f"{folder}: no run records in {folder / 'runs'}")
     found = {}
     for path in paths:
-        record = record_store.read_or_none(path)
+        record = record_store.read_if_present(path)
         if record is None or "flags" not in record or "arm" not in record:
             raise ValueError(f"{path}: not a readable run record")
         match = lr_grid.ARM.fullmatch(record["arm"])

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
 
+from peft_pretraining.exit_codes import ExitCode
 from utils.study.host import bf16_instructions
+from utils.study.records import UnreadableRecord
 from utils.study.runs import DEFAULT_DATASET, REPO, peak_lr
 
 DTYPE_LABELS = {"float32": "float32", "mixed": "mixed precision"}  # the studies' --dtype, as reports name it
@@ -145,3 +148,18 @@ def check_dataset(parser: argparse.ArgumentParser, args) -> None:
         corpus_paths()
     except ValueError as error:
         parser.error(f"--budget {args.budget}: {error}")
+
+
+def stop_on_unreadable_record(main):
+    """A study's main, exiting with one line and ExitCode.BAD_INPUT where a committed record does not read: before
+    any report is written or any run trained over it."""
+    @functools.wraps(main)
+    def checked(argv=None) -> int:
+        try:
+            return main(argv)
+        except UnreadableRecord as error:
+            print(f"{error}; nothing was written (restore it with git, or delete it to train the run again)",
+                  file=sys.stderr)
+            return ExitCode.BAD_INPUT
+    return checked
+

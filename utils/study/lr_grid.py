@@ -73,7 +73,7 @@ def read_grid(folders: list[Path]) -> dict[str, dict]:
         if not paths:
             raise ValueError(f"{folder}: no run records in {folder / 'runs'}")
         for path in paths:
-            record = record_store.read_or_none(path)
+            record = record_store.read_if_present(path)
             if record is None or "flags" not in record or "arm" not in record:
                 raise ValueError(f"{path}: not a readable run record")
             match = ARM.fullmatch(record["arm"])

@@ -56,23 +56,29 @@ def paths_in(folder: Path) -> list[Path]:
     return [found[name] for name in sorted(found)]
 
 
+class UnreadableRecord(ValueError):
+    """A record file that exists but does not read (garbage, a gzip cut short, a JSON error). It is an error, never
+    an absent record: taken for absent, a report would silently drop the run and a sweep would train it again."""
+
+
 def read(path: Path) -> dict:
-    """A record; OSError or ValueError (gzip, UTF-8 and JSON errors are all ValueErrors) if it does not read."""
+    """A record; UnreadableRecord, naming the file, if it does not read."""
     path = Path(path)
-    data = path.read_bytes()
-    if path.name.endswith(SUFFIX):
-        try:
-            data = gzip.decompress(data)
-        except (OSError, EOFError) as error:
-            raise ValueError(f"{path}: not gzip ({error})") from error
-    return json.loads(data)
-
-
-def read_or_none(path: Path | None) -> dict | None:
     try:
-        return read(path) if path is not None else None
-    except (OSError, ValueError):
-        return None
+        data = path.read_bytes()
+        if path.name.endswith(SUFFIX):
+            data = gzip.decompress(data)
+        record = json.loads(data)
+    except (OSError, EOFError, ValueError) as error:  # gzip, UTF-8 and JSON errors are ValueErrors or OSErrors
+        raise UnreadableRecord(f"{path}: not a readable run record ({type(error).__name__}: {error})") from error
+    if not isinstance(record, dict):
+        raise UnreadableRecord(f"{path}: not a readable run record (a JSON {type(record).__name__}, not an object)")
+    return record
+
+
+def read_if_present(path: Path | None) -> dict | None:
+    """The record at `path`, None where there is none (`find` gave None); UnreadableRecord if it does not read."""
+    return read(path) if path is not None else None
 
 
 def encode(record: dict) -> bytes:

@@ -119,6 +119,8 @@ def collect_records(args, specs: list[RunSpec]) -> tuple[dict[str, dict], list[R
                   "commands", file=sys.stderr)
             sys.exit(ExitCode.BAD_INPUT)
         return records, [spec for spec in as_trained(args, specs) if spec.name not in records]
+    for spec in specs:  # an unreadable record stops the study before anything trains over it
+        record_store.read_if_present(record_store.find(args.out / "runs", spec.name))
     return run_jobs(as_trained(args, specs), analysis_settings(args.settings, args.device), args.runs_dir,
                     args.out / "runs", args.jobs, args.fresh, args.deadline, getattr(args, "keep_checkpoints", True))
 
@@ -193,7 +195,7 @@ def run_job(spec: RunSpec, settings: AnalysisSettings, runs_dir: Path, records_d
 
     Without keep_checkpoints the run's checkpoints are deleted once its record is written (a GPU sweep's widest
     runs save gigabytes each); the record is all a report reads."""
-    record = record_store.read_or_none(record_store.find(records_dir, spec.name))
+    record = record_store.read_if_present(record_store.find(records_dir, spec.name))
     if not fresh and record_matches(record, spec, settings):
         return dict(record, reused="record")
     if deadline is not None and time.time() > deadline:
@@ -361,7 +363,7 @@ def load_records(specs: list[RunSpec], settings: AnalysisSettings, records_dir: 
     """The records that exist and match their spec (for --report_only)."""
     found = {}
     for spec in specs:
-        record = record_store.read_or_none(record_store.find(records_dir, spec.name))
+        record = record_store.read_if_present(record_store.find(records_dir, spec.name))
         if record_matches(record, spec, settings):
             found[spec.name] = dict(record, reused="record")
     return found
