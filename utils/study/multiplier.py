@@ -215,13 +215,25 @@ def plot(summaries: dict[str, dict], path: Path) -> Path:
                 for r, xx in zip(rows, x):
                     if r["extrapolated"]:
                         ax.plot([xx], [r["geomean"]], marker="o", markersize=11, fillstyle="none", color=colour)
+    depths = sorted({r["depth"] for s in summaries.values() for rows in s["by_budget"].values() for r in rows
+                     if r["geomean"] is not None})
     for ax, xlabel in ((by_depth, "layers L"), (by_ratio, "tokens per parameter (all parameters)")):
         ax.axhline(1, color="0.5", linewidth=0.8)
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log", base=2)
+        ax.set_yscale("log")
+        low, high = ax.get_ylim()
+        ticks = [t for t in (0.5, 0.67, 0.8, 0.9, 1, 1.1, 1.25, 1.5, 2, 3, 4) if low <= t <= high]
+        ax.set_yticks(ticks, [f"×{t:g}" for t in ticks])
+        ax.minorticks_off()
         ax.set(xlabel=xlabel, ylabel="updates Pre-LN needs / the arm's")
         ax.grid(alpha=0.3)
-    by_depth.legend(fontsize=7)
+    by_depth.set_xticks(depths, [str(d) for d in depths])
+    ratio_ticks = [t for t in (1, 2, 5, 10, 20, 50) if any(
+        0.7 * t <= r["tokens_per_parameter"] <= 1.4 * t for s in summaries.values() for rows in s["by_budget"].values()
+        for r in rows)]
+    by_ratio.set_xticks(ratio_ticks, [str(t) for t in ratio_ticks])
+    if by_depth.get_legend_handles_labels()[0]:
+        by_depth.legend(fontsize=7)
     by_depth.set_title("Compute multiplier against depth")
     by_ratio.set_title("... against tokens per parameter")
     fig.suptitle("Ringed: some seed extrapolated past Pre-LN's budgets. Bars: 95% t over seeds", fontsize=8)
