@@ -127,9 +127,9 @@ BY_NAME = {study.name: study for study in STUDIES}
 
 
 def committed_reports() -> set[str]:
-    """Every report file committed under docs/ that a study writes (a report folder's report*.md, a grid, a map or
-    a replication), relative to the repository root."""
-    patterns = ("report*.md", "lr_grid.md", "budget_map.md", "replication.md")
+    """Every report file committed under docs/ that a study writes (a report folder's report*.md, a grid, a map, a
+    replication, a multiplier or a rate choice), relative to the repository root."""
+    patterns = ("report*.md", "lr_grid.md", "budget_map.md", "replication.md", "multiplier.md", "rate_choice.md")
     return {str(path.relative_to(REPO)) for pattern in patterns for path in REPO.glob(f"docs/*/{pattern}")}
 
 
