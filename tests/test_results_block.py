@@ -1,9 +1,8 @@
-"""The README's results block and the study pages cannot drift from the reports they cite (issues 46, 65).
+"""The README's results block and the study pages cannot drift from the reports they cite (issues 46, 65, 80).
 
-The README's results table is written by `utils/study/results_table.py` from the studies' summary JSON; the README
-must hold exactly what it writes. Every number in the prose around the table (counts such as "18 runs" and "3 of 3
-seeds" included) must be one of PROSE_CLAIMS: the claim it names, computed from the summary that holds it, so a
-number is checked against its own claim, not against any number of the cited reports.
+The README's results table and its findings are written by `utils/study/results_table.py` (the findings through
+`utils/study/findings.py`) from the studies' summary JSON; the README must hold exactly what they write, and the
+findings' words must follow the intervals they print.
 
 Every number with a decimal point in a study page's opening and findings sections must be found in a report that its
 section or its own paragraph links to (the report's text, its summary JSON, or what its run records give: a run's
@@ -29,7 +28,7 @@ import numpy as np
 import pytest
 
 from tests.analysis_helpers import read_records
-from utils.study import measures, results_table, verdicts
+from utils.study import findings, measures, results_table, verdicts
 
 REPO = Path(__file__).resolve().parents[1]
 NUMBER = r"[−+-]?\d+\.\d+(?:e[-+]?\d+)?"
@@ -138,165 +137,57 @@ def unmatched(paragraph: str, reports: list[str]) -> list[str]:
 README = REPO / "README.md"
 
 
-def readme_block(readme: str) -> str:
-    return readme.split("<!-- results:start -->")[1].split("<!-- results:end -->")[0]
-
-
-def prose_of(block: str) -> str:
-    """The hand-written text of the results block: without the generated table, comments and link targets, on one
-    line (a phrase may wrap)."""
-    before, rest = block.split(results_table.START, 1)
-    text = before + rest.split(results_table.END, 1)[1]
-    text = re.sub(r"<!--.*?-->", " ", text, flags=re.S)
-    text = re.sub(r"\]\([^)]*\)", "]", text)
-    return " ".join(text.split())
-
-
-def pays(summary: dict, arm: str) -> bool:
-    return summary["regime"]["depth_pays"][arm]
-
-
-def pays_for_neither(*summaries: dict) -> bool:
-    return not any(pays(summary, arm) for summary in summaries for arm in ("pre", "lns"))
-
-
-def slope(summary: dict, arm: str) -> dict:
-    return summary["regime"]["slopes"][arm]
-
-
-def steps_agreeing(summary: dict, arm: str) -> str:
-    """"each step k of n seeds": the fewest seeds that any of the arm's steps of depth has on the paper's side."""
-    label = {"pre": "Pre-LN", "lns": "LNS"}[arm]
-    steps = [step for step in summary["regime"]["steps"] if step["claim"].startswith(f"{label}: ")]
-    return f"each step {min(s['n_agree'] for s in steps)} of {max(s['n_pairs'] for s in steps)} seeds"
-
-
-# What the README's prose says, each with how the summaries give it: (the claim, summary, the text it must print).
-# A verbal claim ("depth pays for Pre-LN") prints differently when its summary says otherwise, so it is checked too.
-PROSE_CLAIMS = [
-    ("the CPU-scale study's two budgets", results_table.STUDY_300,
-     lambda s, summaries: f"({s['settings']['steps']:,} and "
-                          f"{summaries[results_table.STUDY_1500]['settings']['steps']:,} updates)"),
-    ("on the embedded corpus depth pays for neither arm", results_table.DEPTH,
-     lambda s, _: "where depth does not pay" if pays_for_neither(s) else "where depth pays"),
-    ("the embedded depth sweep's loss slopes, both arms opposite to 'falls with depth'", results_table.DEPTH,
-     lambda s, _: "adding layers raises both arms' eval loss (slope against ln L "
-                  f"{results_table.significant(slope(s, 'pre')['effect'])} for Pre-LN, "
-                  f"{results_table.significant(slope(s, 'lns')['effect'])} for LNS)"
-                  if slope(s, "pre")["status"] == slope(s, "lns")["status"] == verdicts.OPPOSITE else "(no)"),
-    ("the Wikipedia sweep's runs and rate", results_table.WIKIPEDIA,
-     lambda s, _: f"(one pass, {len(s['runs'])} runs at lr {results_table.rate_text(s['settings']['lr'])})"),
-    ("on Wikipedia depth pays for Pre-LN: its slope, and the seeds of its every step", results_table.WIKIPEDIA,
-     lambda s, _: f"depth pays for Pre-LN (slope {results_table.significant(slope(s, 'pre')['effect'])}, "
-                  f"{steps_agreeing(s, 'pre')})" if pays(s, "pre") else "depth does not pay for Pre-LN"),
-    ("on Wikipedia depth is not shown to pay for LNS: its slope and verdict", results_table.WIKIPEDIA,
-     lambda s, _: f"is not shown to pay for LNS ({results_table.significant(slope(s, 'lns')['effect'])}, "
-                  f"{slope(s, 'lns')['status']})" if not pays(s, "lns") else "pays for LNS"),
-    ("the budget x depth map's shorter budgets, where depth pays for neither arm", results_table.WIKIPEDIA_SHORT,
-     lambda s, summaries: f"({s['settings']['steps']:,} and "
-                          f"{summaries[results_table.WIKIPEDIA_MIDDLE]['settings']['steps']:,} updates) depth pays for "
-                          "neither arm" if pays_for_neither(s, summaries[results_table.WIKIPEDIA_MIDDLE])
-                          else "depth pays"),
-    ("Attention Residuals beats LNS at 1,500 updates: its interval", results_table.STUDY_1500_RIVALS_2026,
-     lambda s, _: f"so, over {against_lns(s, 'attnres')['n_pairs']} seeds at {s['settings']['steps']:,} updates, does "
-                  f"Attention Residuals ({interval_text(against_lns(s, 'attnres'))} nats)"
-                  if against_lns(s, "attnres")["status"] == verdicts.REPRODUCED else "(AttnRes does not beat LNS)"),
-    ("mHC against LNS at 1,500 updates: its verdict and interval", results_table.STUDY_1500_RIVALS_2026,
-     lambda s, _: "while mHC " + {verdicts.REPRODUCED: "beats it (", verdicts.OPPOSITE: "trails it (",
-                                  verdicts.INSIDE_NOISE: "is level with it ("}[against_lns(s, "mhc")["status"]]
-                  + interval_text(against_lns(s, "mhc"))
-                  + (", inside noise)" if against_lns(s, "mhc")["status"] == verdicts.INSIDE_NOISE else ")")),
-    *((f"the lead's slope at the {name} budget: its direction and verdict", summary,
-       lambda s, _: f"at {s['settings']['steps']:,} updates it {lead_direction(s)}")
-      for name, summary in (("short", results_table.WIKIPEDIA_SHORT), ("middle", results_table.WIKIPEDIA_MIDDLE))),
-]
-
-
-def against_lns(summary: dict, arm: str) -> dict:
-    """A compare_norms summary's verdict of `arm`'s eval loss against LNS's, paired by seed."""
-    return summary["per_arm_eval_loss"][arm]["lns"]
-
-
-def interval_text(verdict: dict) -> str:
-    return " ".join([results_table.significant(verdict["effect"]), "[" + ", ".join(
-        results_table.significant(verdict[end]) for end in ("low", "high")) + "]"])
-
-
-def lead_direction(summary: dict) -> str:
-    """The lead's direction with depth and how sure it is: "grows in K of N seeds, its interval holding zero", or
-    "grows" / "shrinks" "clear of zero over N seeds". No phrase is a prefix of another, so a README that keeps an old
-    verdict fails."""
-    prediction = results_table.find(summary["predictions"], results_table.LEAD_PREDICTION, "a budget's summary")
-    verb = "grows" if prediction["effect"] > 0 else "shrinks"
-    if prediction["status"] == verdicts.INSIDE_NOISE:
-        # n_agree counts the seeds that grow (the claim's sign); a shrinking mean names those that do not
-        seeds = prediction["n_agree"] if verb == "grows" else prediction["n_pairs"] - prediction["n_agree"]
-        agreeing = f"{seeds} of {prediction['n_pairs']} {prediction['unit']}"
-        return f"{verb} in {agreeing}, its interval holding zero"
-    return f"{verb}, clear of zero over {prediction['n_pairs']} {prediction['unit']}"
-
-
-def test_no_lead_phrase_is_a_prefix_of_another():
-    summary = {"predictions": [dict(claim=results_table.LEAD_PREDICTION, effect=0.1, status=status, n_pairs=3,
-                                    n_agree=3, unit="seeds") for status in [verdicts.INSIDE_NOISE]]}
-    noisy = lead_direction(summary)
-    summary["predictions"][0]["status"] = verdicts.REPRODUCED
-    clear = lead_direction(summary)
-    assert not noisy.startswith(clear) and not clear.startswith(noisy)
-
-
-def test_a_shrinking_lead_counts_the_seeds_that_shrink():
-    prediction = dict(claim=results_table.LEAD_PREDICTION, effect=-0.02, status=verdicts.INSIDE_NOISE, n_pairs=3,
-                      n_agree=1, unit="seeds")
-    assert lead_direction({"predictions": [prediction]}) == "shrinks in 2 of 3 seeds, its interval holding zero"
-
-
-def prose_errors(prose: str, summaries: results_table.Summaries) -> list[str]:
-    """Each claim whose text the prose does not print, then each number the claims do not account for."""
-    errors, rest = [], prose
-    for claim, summary, printed in PROSE_CLAIMS:
-        expected = printed(summaries[summary], summaries)
-        if expected not in prose:
-            errors.append(f"{claim}: the summary gives {expected!r}")
-        rest = rest.replace(expected, " ")
-    errors += [f"a number no claim names: {number!r}" for number in re.findall(r"[−+-]?\d[\d,.]*(?:e-?\d+)?", rest)]
-    return errors
-
-
 def test_the_readme_table_is_what_the_summaries_give():
     assert results_table.readme_table(README.read_text()) == results_table.build_table(), \
         "run python -m utils.study.results_table"
 
 
-def test_every_number_in_the_readme_prose_is_the_claim_it_names():
-    assert prose_errors(prose_of(readme_block(README.read_text())), results_table.Summaries(REPO)) == []
+def rendered(summaries=None) -> str:
+    return findings.readme_findings(summaries or results_table.Summaries(REPO), REPO)
 
 
-def test_the_prose_check_catches_a_drifted_number_an_unnamed_one_and_a_verbal_claim_gone_wrong():
+def test_the_readme_findings_are_what_the_summaries_give():
+    assert findings.block(README.read_text()) == rendered(), "run python -m utils.study.results_table"
+
+
+HOLDS_ZERO = dict(claim="c", expected_direction=1, effect=0.02, low=-0.01, high=0.05, n_pairs=3, n_agree=3,
+                  status=verdicts.INSIDE_NOISE)
+
+
+def test_an_interval_that_holds_zero_renders_as_not_shown():
+    assert findings.word(HOLDS_ZERO, "grows", "shrinks") == findings.NOT_SHOWN
+    assert findings.status(HOLDS_ZERO) == findings.NOT_SHOWN
+    assert findings.word(dict(HOLDS_ZERO, low=0.01), "grows", "shrinks") == "grows"
+    assert findings.word(dict(HOLDS_ZERO, effect=-0.02, low=-0.05, high=-0.01), "grows", "shrinks") == "shrinks"
+    assert findings.effect(HOLDS_ZERO) == "+0.020 [−0.010, +0.050]"
+    assert findings.effect(dict(HOLDS_ZERO, effect=math.log(1.2), low=0.0, high=math.log(1.5)), ratio=True) == \
+        "×1.20 [1.00, 1.50]"
+
+
+@pytest.mark.parametrize("agree, n, p", [(3, 3, 0.25), (0, 3, 0.25), (5, 5, 0.0625), (2, 3, 1.0), (4, 5, 0.375)])
+def test_a_count_of_seeds_carries_its_sign_test_p(agree, n, p):
+    assert findings.sign_test_p(agree, n) == pytest.approx(p)
+    verdict = dict(HOLDS_ZERO, n_agree=agree, n_pairs=n)
+    assert findings.seeds(verdict, "grow", "shrink") == f"{agree} of {n} seeds grow, sign test p = {p:.2g}"
+
+
+def test_the_findings_follow_their_intervals():
+    """Move an interval across zero in a summary and the words change with it: AttnRes no longer beats LNS once its
+    interval holds zero; the multiplier no longer grows with depth once its slope's interval holds zero."""
     summaries = results_table.Summaries(REPO)
-    prose = prose_of(readme_block(README.read_text()))
-    wikipedia = summaries[results_table.WIKIPEDIA]
-    runs = f"{len(wikipedia['runs'])} runs"
-    assert runs in prose
-    drifted = prose_errors(prose.replace(runs, f"{len(wikipedia['runs']) + 1} runs"), summaries)
-    assert drifted[0].startswith("the Wikipedia sweep's runs and rate: the summary gives")
-    assert f"a number no claim names: '{len(wikipedia['runs']) + 1}'" in drifted[1:]
-    assert prose_errors(prose + " It took 12 hours.", summaries) == ["a number no claim names: '12'"]
-    wikipedia["regime"]["depth_pays"]["lns"] = True  # a summary that says depth pays for LNS
-    assert any(error.startswith("on Wikipedia depth is not shown to pay for LNS") for error in
-               prose_errors(prose, summaries))
+    text = rendered(summaries)
+    assert "Attention Residuals beats LNS" in text and "the multiplier grows with depth" in text
+    summaries[results_table.STUDY_1500_RIVALS_2026]["per_arm_eval_loss"]["attnres"]["lns"]["high"] = 0.01
+    trend = summaries["docs/compute_multiplier/multiplier.json"]["arms"]["lns"]["trends"]["2400"]["verdict"]
+    trend["low"] = -0.01
+    text = rendered(summaries)
+    assert "Attention Residuals is not shown to differ from LNS (−0.063 [−0.12, +0.010]" in text
+    assert "grows with depth" not in text and "Attention Residuals beats" not in text
 
 
-def test_the_rivals_line_follows_the_2026_rivals_verdicts():
-    summaries = results_table.Summaries(REPO)
-    prose = prose_of(readme_block(README.read_text()))
-    assert prose_errors(prose, summaries) == []
-    rivals = summaries[results_table.STUDY_1500_RIVALS_2026]["per_arm_eval_loss"]
-    rivals["mhc"]["lns"]["status"] = verdicts.OPPOSITE  # mHC now trails LNS, clear of zero
-    rivals["attnres"]["lns"]["high"] = 0.01  # AttnRes's interval now holds zero
-    errors = prose_errors(prose, summaries)
-    assert [error.split(":")[0] for error in errors[:2]] == [
-        "Attention Residuals beats LNS at 1,500 updates", "mHC against LNS at 1,500 updates"]
+def test_the_findings_are_at_most_300_words():
+    """Issue 80: one plain sentence per question a user asks; a newcomer answers them in three minutes."""
+    assert findings.words_in(findings.block(README.read_text())) <= 300
 
 
 def test_the_table_follows_its_summaries(tmp_path):
@@ -394,8 +285,3 @@ def test_the_check_computes_arm_pairs_from_the_records_and_catches_a_drifted_one
     assert unmatched(honest, [report]) == []
     drifted = f"{effect:+.3f} [{low + 0.001:+.4f}, {high:+.3f}]"
     assert unmatched(drifted, [report]) == [drifted]
-
-
-def test_the_results_block_is_at_most_400_words_around_its_table():
-    """Issue 65: a researcher reads the block in three minutes; the table carries the verdicts."""
-    assert len(prose_of(readme_block(README.read_text())).split()) <= 400

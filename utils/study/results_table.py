@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from peft_pretraining.cli import OneLineErrorParser
-from utils.study import claims, verdicts
+from utils.study import claims, findings, verdicts
 
 REPO = Path(__file__).resolve().parents[2]
 START, END = "<!-- results-table:start -->", "<!-- results-table:end -->"
@@ -217,24 +217,24 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     readme = args.readme.read_text()
     try:
-        current = readme_table(readme)
+        current = (readme_table(readme), findings.block(readme))
+        wanted = (build_table(), findings.readme_findings(Summaries(REPO), REPO))
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    try:
-        table = build_table()
-    except (KeyError, FileNotFoundError) as error:  # a summary gone, or one without a verdict the table reads
-        print(f"error: {error.args[0] if isinstance(error, KeyError) else error}", file=sys.stderr)
+    except (KeyError, FileNotFoundError, StopIteration) as error:  # a summary gone, or one without a verdict read
+        print(f"error: {error.args[0] if isinstance(error, KeyError) else error or 'a verdict is missing'}",
+              file=sys.stderr)
         return 2
     if args.check:
-        if current != table:
-            print(f"{args.readme}: the results table is not what the summaries give; "
+        if current != wanted:
+            print(f"{args.readme}: the results table or findings are not what the summaries give; "
                   "run python -m utils.study.results_table", file=sys.stderr)
             return 1
         return 0
-    if current != table:
-        args.readme.write_text(with_table(readme, table))
-    print(f"{args.readme}: results table {'rewritten' if current != table else 'unchanged'}")
+    if current != wanted:
+        args.readme.write_text(findings.with_block(with_table(readme, wanted[0]), wanted[1]))
+    print(f"{args.readme}: results table and findings {'rewritten' if current != wanted else 'unchanged'}")
     return 0
 
 
