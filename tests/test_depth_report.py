@@ -202,10 +202,10 @@ def test_the_report_measures_through_measure_model_as_each_instrument_alone(tmp_
     assert len(windows) * 8 < 50 and len(everything) > len(windows)
 
 
-@pytest.mark.parametrize("norm_type", ["attnres", "mhc"])
+@pytest.mark.parametrize("norm_type", ["attnres", "mhc", "siamese"])
 def test_a_stream_that_is_not_a_running_sum_is_reported_without_block_jacobians(tmp_path, norm_type, recwarn):
-    """AttnRes and mHC pass no stream tensor from block to block: the report says the Jacobians are not defined and
-    keeps every other measure."""
+    """AttnRes, mHC and SiameseNorm pass no stream tensor from block to block: the report says the Jacobians are not
+    defined and keeps every other measure."""
     model = tiny_ours(norm_type, 3, seed=1)
     model.config.train_max_length = 16
     path = save_with_tokenizer(model, tmp_path / norm_type)

@@ -349,12 +349,14 @@ def test_export_cli(tmp_path):
         assert result.returncode == 2 and flag in result.stderr.strip().splitlines()[-1], result.stderr[-500:]
 
 
+# A running sum, and streams of their own: AttnRes's tuple, mHC's copies, SiameseNorm's two streams.
 @pytest.mark.e2e
-def test_activation_checkpointing_gives_the_same_gradients():
+@pytest.mark.parametrize("norm_type", ["lns", "attnres", "mhc", "siamese"])
+def test_activation_checkpointing_gives_the_same_gradients(norm_type):
     tokens = random_tokens()
     grads = []
     for checkpointing in (False, True):
-        model = tiny_model("lns").train()
+        model = tiny_model(norm_type).train()
         if checkpointing:
             model.activation_checkpointing_enable()
             assert model.model.gradient_checkpointing

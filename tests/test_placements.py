@@ -29,7 +29,8 @@ VARIANTS = [(norm_type, {}) for norm_type in NORM_TYPES] + [
     ("attnres", {"attnres_blocks": 3}),  # blocks of 3 sublayers: a block's sum spans two layers
     ("mhc", {"mhc_streams": 2, "mhc_sinkhorn_iterations": 5}),
 ]
-STREAM_KINDS = ("attnres", "mhc")  # the stream itself is not a running sum: written out a whole model at a time
+# the stream itself is not a running sum: written out a whole model at a time
+STREAM_KINDS = ("attnres", "mhc", "siamese")
 # fp32 rounding, amplified by AttnRes's softmax over depth, peaked under the randomised queries (measured up to
 # 1.6e-4 with logits of size 4; the same in float64 apart from our fp32 norms): a wiring error moves them by > 1e-3.
 ATOL = {"attnres": 3e-4}
@@ -228,11 +229,37 @@ def expected_mhc_logits(model, tokens):
     return model.lm_head(rms(sum(copies) / n, model.model.norm.weight, eps))
 
 
+def expected_siamese_logits(model, tokens, depths):
+    """SiameseNorm from its equations, on a Post-LN stream X and a Pre-LN stream Y that both start as the embedding:
+    each sublayer of layer l normalises X (X <- N_X(X)), reads O = F(N(X + N_Y(Y))) and adds O / sqrt(2l) to X and
+    O to Y; the final norm reads N_X'(X) + N_Y'(Y), with norms of the model's own."""
+    eps = model.config.rms_norm_eps
+    post = pre = model.model.embed_tokens(tokens)
+    rope = model.model.rotary_emb(tokens.shape[1], post.dtype)
+    for layer, depth in zip(model.model.layers, depths):
+        attention = lambda y, layer=layer: layer.self_attn(y, rope, None)  # noqa: E731
+        sublayers = ((layer.attn_residual, attention, layer.input_layernorm),
+                     (layer.mlp_residual, layer.mlp, layer.post_attention_layernorm))
+        for residual, branch, norm in sublayers:
+            post = rms(post, residual.post_norm.weight, eps)
+            output = branch(rms(post + rms(pre, residual.pre_norm.weight, eps), norm.weight, eps))
+            post, pre = post + output / math.sqrt(2 * depth), pre + output
+    return model.lm_head(rms(siamese_end(model, post, pre), model.model.norm.weight, eps))
+
+
+def siamese_end(model, post, pre):
+    """What SiameseNorm's final norm reads, N_X'(X) + N_Y'(Y): also what a layer's output is."""
+    stream, eps = model.model.residual_stream, model.config.rms_norm_eps
+    return rms(post, stream.post_norm.weight, eps) + rms(pre, stream.pre_norm.weight, eps)
+
+
 def expected_logits(model, tokens, kinds, depths, num_layers):
     if kinds[0] == "attnres":
         return expected_attnres_logits(model, tokens, depths, num_layers)
     if kinds[0] == "mhc":
         return expected_mhc_logits(model, tokens)
+    if kinds[0] == "siamese":
+        return expected_siamese_logits(model, tokens, depths)
     x = model.model.embed_tokens(tokens)
     rope = model.model.rotary_emb(tokens.shape[1], x.dtype)
     for layer, kind, depth in zip(model.model.layers, kinds, depths):
@@ -480,7 +507,7 @@ def test_the_docs_placement_table_has_every_row_and_its_settings():
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# AttnRes and mHC: the mixing matrix, the start, what a layer's output is, and a whole run
+# AttnRes, mHC and SiameseNorm: the mixing matrix, the start, what a layer's output is, and a whole run
 # --------------------------------------------------------------------------------------------------------------------
 
 # After 20 iterations from the model's logits the column sums are within 1e-4 of 1 (measured: below 1e-6 at the
@@ -512,16 +539,39 @@ def test_mhc_starts_as_pre_ln():
     torch.testing.assert_close(mhc(tokens).logits, pre(tokens).logits, rtol=0, atol=1e-5)
 
 
+@torch.no_grad()
+def test_siamese_forgets_the_post_streams_scale_and_passes_the_pre_stream_on_unchanged():
+    """SiameseNorm's split: a layer reads its Post-LN stream X only through N_X, so X's scale is forgotten (X and
+    100 X give the same layer output), and adds to its Pre-LN stream Y without normalising it: with the branch
+    outputs at zero, Y passes through exactly (the identity path) while X comes out normalised, N_X2(N_X1(X))."""
+    model = randomised_model("siamese")
+    layer, eps = model.model.layers[1], model.config.rms_norm_eps
+    post, rope = layer_inputs(model, seed=2)
+    pre, _ = layer_inputs(model, scale=5.0, seed=3)
+    torch.testing.assert_close(layer((100 * post, pre), rope, None), layer((post, pre), rope, None), rtol=0,
+                               atol=1e-5)
+    layer.self_attn.o_proj.weight.zero_()
+    layer.mlp.down_proj.weight.zero_()
+    new_post, new_pre = layer((post, pre), rope, None)
+    assert torch.equal(new_pre, pre)
+    normalised_twice = rms(rms(post, layer.attn_residual.post_norm.weight, eps), layer.mlp_residual.post_norm.weight,
+                           eps)
+    torch.testing.assert_close(new_post, normalised_twice, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("norm_type", STREAM_KINDS)
 @torch.no_grad()
 def test_a_layers_output_is_what_the_model_would_end_on_there(norm_type):
     """output_hidden_states (and so every instrument) reads layer l's output as the stream the final norm would get
-    if the model stopped after layer l: AttnRes's output query over the sources so far, mHC's mean of the copies.
-    Removing the layers after l gives the same logits."""
+    if the model stopped after layer l: AttnRes's output query over the sources so far, mHC's mean of the copies,
+    SiameseNorm's N_X'(X) + N_Y'(Y). Removing the layers after l gives the same logits. Before the first layer that
+    is the embedding, except for SiameseNorm, whose final norm reads its two streams through norms of their own."""
     model = randomised_model(norm_type)
     tokens = random_tokens()
     hidden = model(tokens, output_hidden_states=True).hidden_states
-    torch.testing.assert_close(hidden[0], model.model.embed_tokens(tokens), rtol=0, atol=1e-6)
+    embedding = model.model.embed_tokens(tokens)
+    start = siamese_end(model, embedding, embedding) if norm_type == "siamese" else embedding
+    torch.testing.assert_close(hidden[0], start, rtol=0, atol=1e-6)
     for kept in (1, 2, 3):
         truncated = randomised_model(norm_type)
         for index in range(truncated.config.num_hidden_layers - 1, kept - 1, -1):
@@ -530,25 +580,71 @@ def test_a_layers_output_is_what_the_model_would_end_on_there(norm_type):
                                    rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("norm_type", STREAM_KINDS)
+@torch.no_grad()
+def test_every_instrument_reads_a_stream_placements_layer_outputs(norm_type):
+    """The instruments read the stream through model_io.ResidualStream, whose hooks ask the model for a layer's
+    output: its states are output_hidden_states' at every depth (the last one before the final norm), pad tokens
+    dropped. From them each measure covers every depth (L + 1) or block (L) with finite numbers, the logit lens after
+    the last layer is the model's own distribution (KL 0, top-1 agreement 1), removing any layer changes the loss,
+    and the norm gains have a row per layer."""
+    from utils.instruments.model_io import ResidualStream
+    from utils.instruments.norm_gains import norm_gains
+    from utils.instruments.removal_loss import measure_removal
+    from utils.instruments.stream import measure_stream
+
+    model = randomised_model(norm_type)
+    num_layers = model.config.num_hidden_layers
+    tokens, mask = random_tokens(), torch.ones(2, 24, dtype=torch.long)
+    mask[1, -5:] = 0  # a right-padded row
+    states = ResidualStream(model)(tokens, mask)
+    hidden = model(tokens, attention_mask=mask, output_hidden_states=True).hidden_states
+    real = mask.bool()
+    for depth in range(num_layers):
+        torch.testing.assert_close(states[depth], hidden[depth][real], rtol=0, atol=1e-6)
+    torch.testing.assert_close(model.model.norm(states[-1]), hidden[-1][real], rtol=0, atol=1e-6)
+
+    measured = measure_stream(model, [(tokens, mask)])
+    per_depth = {key: measured[key] for key in ("variance", "rms")}
+    per_block = {key: measured[key] for key in ("block_influence", "update_ratio", "lens_kl", "lens_top1_agreement")}
+    assert all(len(values) == num_layers + 1 for values in per_depth.values())
+    assert all(len(values) == num_layers for values in per_block.values())
+    assert all(math.isfinite(v) for values in (*per_depth.values(), *per_block.values()) for v in values)
+    assert measured["lens_kl"][-1] == pytest.approx(0.0, abs=1e-5) and measured["lens_top1_agreement"][-1] == 1.0
+    removal = measure_removal(model, [(tokens, mask)])
+    assert len(removal["removal_cost"]) == num_layers and all(abs(cost) > 1e-4 for cost in removal["removal_cost"])
+    assert len(norm_gains(model.state_dict())["per_layer"]) == num_layers
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("norm_type", STREAM_KINDS)
 def test_stream_placement_trains_saves_resumes_and_loads(norm_type, tmp_path, monkeypatch):
-    """Two updates through the trainer, a resume to four, and the checkpoint loaded with trust_remote_code; export
-    to stock Llama is refused in one line."""
+    """Four updates through the trainer, saving at 2 and 4; a resume from update 2 repeats updates 3 and 4 bit for bit
+    (losses, gradient norms, weights); the checkpoint loads with trust_remote_code; export to stock Llama is refused
+    in one line."""
     import json
 
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from peft_pretraining.exit_codes import ExitCode
     from peft_pretraining.model.llama_export import export_to_hf_llama
-    from tests.test_training import train_in_process
+    from tests.test_training import read_jsonl, train_in_process
 
-    run_dir = tmp_path / "run"
-    assert train_in_process(["--norm_type", norm_type], run_dir, monkeypatch) == ExitCode.FINISHED
-    assert train_in_process(["--continue_from", str(run_dir / "model_2"), "--num_training_steps", "4",
-                             "--save_every", "4"], run_dir, monkeypatch) == ExitCode.FINISHED
-    results = json.loads((run_dir / "results.json").read_text())
+    run_dir, resumed_dir = tmp_path / "run", tmp_path / "resumed"
+    four_updates = ["--norm_type", norm_type, "--num_training_steps", "4"]
+    assert train_in_process(four_updates, run_dir, monkeypatch) == ExitCode.FINISHED
+    assert train_in_process([*four_updates, "--continue_from", str(run_dir / "model_2")], resumed_dir,
+                            monkeypatch) == ExitCode.FINISHED
+    results = json.loads((resumed_dir / "results.json").read_text())
     assert results["status"] == "finished" and results["step"] == 4 and math.isfinite(results["final_eval_loss"])
+    uninterrupted, resumed = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(resumed_dir / "metrics.jsonl")
+    assert [row["step"] for row in resumed] == [3, 4]
+    for key in ("loss", "grad_norm"):
+        assert [row[key] for row in resumed] == [row[key] for row in uninterrupted[2:]], key
+    weights, resumed_weights = (load_file(path / "model_4" / "model.safetensors") for path in (run_dir, resumed_dir))
+    assert weights.keys() == resumed_weights.keys()
+    assert all(torch.equal(weights[name], resumed_weights[name]) for name in weights)
     loaded = AutoModelForCausalLM.from_pretrained(run_dir / "model_4", trust_remote_code=True).eval()
     assert loaded.config.norm_type == norm_type
     tokens = random_tokens()
@@ -578,8 +674,9 @@ def test_angular_analysis_and_layer_removal_run_on_a_stream_placement(norm_type,
 @pytest.mark.e2e  # the removal sweep goes through lm-eval: tens of seconds
 @pytest.mark.parametrize("norm_type", STREAM_KINDS)
 def test_the_studys_measures_skip_block_jacobians_where_the_stream_is_no_running_sum(norm_type, tmp_path, capsys):
-    """A block Jacobian perturbs the tensor a block passes on, which AttnRes and mHC do not pass: the study's one
-    measurement call records none (its other measures still run), and jacobian_analysis.py says so in one line."""
+    """A block Jacobian perturbs the tensor a block passes on, which AttnRes, mHC and SiameseNorm do not pass: the
+    study's one measurement call records none (its other measures still run), and jacobian_analysis.py says so in
+    one line."""
     from tests.analysis_helpers import save_with_tokenizer
     from utils import jacobian_analysis
     from utils.instruments import model_io

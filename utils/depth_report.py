@@ -134,7 +134,7 @@ def near_identity_sentence(result: dict, jacobian_near: list[bool], update_near:
     summary, num_layers = result["summary"], result["num_layers"]
     adds = (f"({summary['near_identity_update_fraction']:.0%}) add an update smaller than {NEAR_IDENTITY:.0%} of the "
             f"stream they are added to (‖F(x)‖/‖x‖ < {NEAR_IDENTITY}){layer_list(update_near, ': layers ')}")
-    if not result["jacobian"]:  # AttnRes and mHC: no block maps one stream tensor to the next
+    if not result["jacobian"]:  # AttnRes, mHC, SiameseNorm: no block maps one stream tensor to the next
         return (f"**Near the identity.** Block Jacobians are {result['jacobian_method']}; {sum(update_near)} of "
                 f"{num_layers} blocks {adds}; over the deep half ‖F(x)‖/‖x‖ averages "
                 f"{summary['update_ratio_deep']:.3f}.")

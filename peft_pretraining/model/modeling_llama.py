@@ -682,9 +682,10 @@ class BHyTApproximated(BHyT):
 
 
 class ResidualSum(nn.Module):
-    """The residual stream of every placement but AttnRes and mHC: one tensor, the running sum the layers add to.
-    A stream module's `begin` turns the embedding into the stream, `layer_output` is what output_hidden_states
-    (and so every analysis tool) reads as a layer's output, and `end` is what the final norm gets."""
+    """The residual stream of every placement but AttnRes, mHC and SiameseNorm: one tensor, the running sum the
+    layers add to. A stream module's `begin` turns the embedding into the stream, `layer_output` is what
+    output_hidden_states (and so every analysis tool) reads as a layer's output, and `end` is what the final norm
+    gets."""
 
     def begin(self, x):
         return x
@@ -697,7 +698,7 @@ class ResidualSum(nn.Module):
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Residual streams that are not a running sum: Attention Residuals and mHC
+# Residual streams that are not a running sum: Attention Residuals, mHC and SiameseNorm
 # --------------------------------------------------------------------------------------------------------------------
 
 
@@ -863,6 +864,49 @@ def mhc_residuals(layer: LayerContext):
                  for side in (0, 1))
 
 
+class SiameseResidual(nn.Module):
+    """SiameseNorm (Li, Han et al., ICML 2026), one sublayer on the two streams (X, Y), which share its F:
+    Xn = N_X(X); O = F(N(Xn + N_Y(Y))); X' = Xn + O / sqrt(2l); Y' = Y + O. Y is Pre-LN's running sum (its identity
+    path carries the gradient); X is Post-LN's normalised stream (N_X re-normalises it before each sublayer, so it
+    stays bounded), with the authors' 1/sqrt(2l) on its branch, l the trained depth (kept after a layer is removed).
+    N is the block norm, on the fused input."""
+
+    def __init__(self, config, depth: int):
+        super().__init__()
+        self.post_norm, self.pre_norm = rms_norm(config), rms_norm(config)  # N_X, N_Y
+        self.post_branch_scale = 1.0 / math.sqrt(2 * depth)
+
+    def forward(self, stream, sublayer, norm):
+        post, pre = stream
+        post = self.post_norm(post)
+        output = sublayer(norm(post + self.pre_norm(pre)))
+        return post + self.post_branch_scale * output, pre + output
+
+
+class SiameseStream(nn.Module):
+    """SiameseNorm's streams: both start as the embedding; the final norm reads N_X'(X) + N_Y'(Y), two norms of this
+    module's own, and so does a layer's output (output_hidden_states): what the final norm would read if the model
+    stopped there."""
+
+    def __init__(self, config, plan: LayerPlan):
+        super().__init__()
+        self.post_norm, self.pre_norm = rms_norm(config), rms_norm(config)
+
+    def begin(self, x):
+        return x, x
+
+    def end(self, stream):
+        post, pre = stream
+        return self.post_norm(post) + self.pre_norm(pre)
+
+    def layer_output(self, stream):
+        return self.end(stream)
+
+
+def siamese_residuals(layer: LayerContext):
+    return tuple(SiameseResidual(layer.config, layer.depth) for _ in range(2))
+
+
 def rms_norm(config) -> RMSNorm:
     return RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -989,6 +1033,7 @@ BHYT_KAPPA = Setting("bhyt_kappa", "bhyt: kappa, the tanh input has RMS lambda/k
 #   hybridnorm  h = x + Attn_qkvnorm(x)                 out = N2(h) + MLP(N2(h))
 #   attnres     each sublayer: y = F(N(sum_j softmax_j(q . rms(b_j)) b_j)) over the embedding and the block sums b_j
 #   mhc         X (n copies): X' = H_res X + H_post^T F(N(H_pre X)), H_res doubly stochastic (Sinkhorn)
+#   siamese     (X, Y): Xn = N_X(X), O = F(N(Xn + N_Y(Y))), X' = Xn + O / sqrt(2l), Y' = Y + O; final N(N_X(X) + N_Y(Y))
 ATTNRES_BLOCKS = Setting("attnres_blocks", "attnres: the 2L sublayers are cut into this many blocks of consecutive "
                          "sublayers (Block AttnRes); 2L or more is Full AttnRes", 8, minimum=1, integer=True)
 MHC_STREAMS = Setting("mhc_streams", "mhc: copies n of the residual stream", 4, minimum=1, integer=True)
@@ -1028,6 +1073,9 @@ PLACEMENTS = {
     # post maps around each sublayer, dynamic plus static (ManifoldHyperConnection); the copies' mean is the output.
     "mhc": Placement("mHC", mhc_residuals, stream=HyperConnectionStream,
                      settings=(MHC_STREAMS, MHC_SINKHORN_ITERATIONS)),
+    # SiameseNorm (Li, Han et al., arXiv 2602.08064): a Post-LN-like stream X and a Pre-LN-like stream Y share every
+    # sublayer, which reads the block norm of N_X(X) + N_Y(Y); the authors' post-pre form (their ViT and DiT code).
+    "siamese": Placement("SiameseNorm", siamese_residuals, stream=SiameseStream),
 }
 # The rows as they ship, for tests and tools that list them once; code that must see a row added later (a test's
 # toy row) calls norm_types(), norm_type_choices() and layer_placements().

@@ -2,11 +2,14 @@
 
     python utils/bench/benchmark_placements.py                       # pre, attnres, mhc at the rivals budget's shape
     python utils/bench/benchmark_placements.py --norm_types pre lns mhc --steps 10
+    python utils/bench/benchmark_placements.py --norm_types pre siamese --steps 12 --interleave  # on a loaded host
 
 Activation memory is what autograd keeps for the backward pass of one forward (the bytes of every tensor it saves,
 counted once each through saved_tensors_hooks): exact and the same on any host. Step time is the median of
 --steps forward + backward passes after one warm-up, in float32, eager, on this host's threads; on a loaded host it
-is noisy, so the ratio to Pre-LN measured in the same process is the number to read.
+is noisy, so the ratio to Pre-LN measured in the same process is the number to read. With --interleave every
+placement is built first and their steps alternate (the order reversed each round), so load from other processes
+falls on all of them alike; each step time is then the median over the rounds.
 """
 from __future__ import annotations
 
@@ -34,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max_length", type=int, default=128, help="the rivals budget's window")
     parser.add_argument("--steps", type=int, default=5, help="timed forward + backward passes per placement")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the studies run one per run)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="time the placements' steps in turn rather than one placement after another")
     return parser
 
 
@@ -55,33 +60,59 @@ def saved_activation_bytes(model, tokens) -> int:
     return total
 
 
+def one_step(model, tokens) -> float:
+    start = time.perf_counter()
+    model(tokens, labels=tokens).loss.backward()
+    model.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
 def step_seconds(model, tokens, steps: int) -> float:
-    times = []
-    for step in range(steps + 1):  # the first is a warm-up
-        start = time.perf_counter()
-        model(tokens, labels=tokens).loss.backward()
-        model.zero_grad(set_to_none=True)
-        if step:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times = [one_step(model, tokens) for _ in range(steps + 1)]
+    return statistics.median(times[1:])  # the first is a warm-up
 
 
-def measure(norm_type: str, args) -> dict:
+def interleaved_step_seconds(models: list, tokens, steps: int) -> list[float]:
+    """The median step time of each model, their steps taken in turn, the order reversed every round."""
+    times = [[] for _ in models]
+    for step in range(steps + 1):  # the first round is a warm-up
+        order = list(enumerate(models)) if step % 2 else list(enumerate(models))[::-1]
+        for index, model in order:
+            seconds = one_step(model, tokens)
+            if step:
+                times[index].append(seconds)
+    return [statistics.median(each) for each in times]
+
+
+def build(norm_type: str, args):
     torch.manual_seed(0)
-    model = LlamaForCausalLM(build_config(REPO / args.model_config, norm_type=norm_type)).train()
-    tokens = torch.randint(0, model.config.vocab_size, (args.batch_size, args.max_length),
-                           generator=torch.Generator().manual_seed(1))
-    return {"norm_type": norm_type, "parameters": sum(p.numel() for p in model.parameters()),
-            "activation_bytes": saved_activation_bytes(model, tokens),
-            "step_seconds": step_seconds(model, tokens, args.steps)}
+    return LlamaForCausalLM(build_config(REPO / args.model_config, norm_type=norm_type)).train()
+
+
+def measure(model, tokens) -> dict:
+    return {"norm_type": model.config.norm_type, "parameters": sum(p.numel() for p in model.parameters()),
+            "activation_bytes": saved_activation_bytes(model, tokens)}
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows = [measure(norm_type, args) for norm_type in args.norm_types]
+    vocab_size = build_config(REPO / args.model_config).vocab_size
+    tokens = torch.randint(0, vocab_size, (args.batch_size, args.max_length),
+                           generator=torch.Generator().manual_seed(1))
+    if args.interleave:
+        models = [build(norm_type, args) for norm_type in args.norm_types]
+        rows = [measure(model, tokens) for model in models]
+        for row, seconds in zip(rows, interleaved_step_seconds(models, tokens, args.steps)):
+            row["step_seconds"] = seconds
+    else:  # one model alive at a time
+        rows = []
+        for norm_type in args.norm_types:
+            model = build(norm_type, args)
+            rows.append({**measure(model, tokens), "step_seconds": step_seconds(model, tokens, args.steps)})
     base = next((row for row in rows if row["norm_type"] == "pre"), rows[0])
-    print(f"| placement | parameters | activation memory | step time ({args.threads} thread(s), float32, eager) |")
+    timing = f"{args.threads} thread(s), float32, eager{', interleaved' if args.interleave else ''}"
+    print(f"| placement | parameters | activation memory | step time ({timing}) |")
     print("|---|---|---|---|")
     for row in rows:
         ratio = {key: row[key] / base[key] for key in ("parameters", "activation_bytes", "step_seconds")}

@@ -76,7 +76,7 @@ NO_BLOCK_JACOBIAN = "not defined: the residual stream is not a running sum (docs
 
 def stream_is_a_running_sum(model) -> bool:
     """Whether each block maps the residual stream x to x + F(x), so that its Jacobian is defined: true of any HF
-    causal LM and of every placement here but those with a stream of their own (AttnRes, mHC)."""
+    causal LM and of every placement here but those with a stream of their own (AttnRes, mHC, SiameseNorm)."""
     from peft_pretraining.model.modeling_llama import ResidualSum
 
     stream = getattr(getattr(model, "model", None), "residual_stream", None)

@@ -86,7 +86,7 @@ def measure_model(model, tokenizer, settings: MeasureSettings, desc: str = "") -
         jacobian = measure_jacobians(model, samples, settings.jacobian_probes, settings.seed, heatmap=False,
                                      desc=f"{desc}jacobian")
         measured.update(jacobian=jacobian.rows, jacobian_method=jacobian.method, jacobian_tokens=jacobian.num_tokens)
-    else:  # a block's Jacobian perturbs its input tensor, which AttnRes and mHC do not pass from block to block
+    else:  # a block's Jacobian perturbs its input tensor, which AttnRes, mHC and SiameseNorm do not pass on
         measured.update(jacobian=[], jacobian_method=NO_BLOCK_JACOBIAN, jacobian_tokens=0)
     if settings.removal == HELDOUT_SWEEP:
         measured["removal"] = heldout_removal_sweep(model, tokenizer, settings.max_seq_len, settings.text_file,

@@ -281,8 +281,8 @@ class ResidualStream:
         def record(hidden: torch.Tensor) -> None:
             states.append(hidden[keep].float())
 
-        # Ours whose stream is not one tensor (AttnRes, mHC) say what a layer's output is: the same view that their
-        # output_hidden_states returns (docs/analyses.md).
+        # Ours whose stream is not one running sum (AttnRes, mHC, SiameseNorm) say what a layer's output is: the
+        # same view that their output_hidden_states returns (docs/analyses.md).
         stream_view = getattr(self.backbone, "residual_stream", None)
 
         def before_first_layer(_module, args, kwargs):

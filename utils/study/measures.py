@@ -40,7 +40,7 @@ def summarise_analysis(analysis: dict) -> dict:
         angular_deep=float(np.mean(deep_half(analysis["angular_next"]) or [float("nan")])),
         removal_deep=float(np.mean(deep_half(removal))),
         cheap_removal_fraction=float(np.mean([v < CHEAP_REMOVAL_NATS for v in removal])),
-        # no rows where block Jacobians are not defined (AttnRes, mHC)
+        # no rows where block Jacobians are not defined (AttnRes, mHC, SiameseNorm)
         jacobian_deep=float(np.mean(deep_half(analysis["jacobian_rel_identity_dev"]) or [float("nan")])),
         norm_gain_mean=float(np.mean(gains)) if gains else float("nan"),
         bi_deep=float(np.mean(deep_half(analysis["block_influence"]) or [float("nan")]))
