@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from tests.analysis_helpers import read_records
-from utils.study import findings, measures, results_table, verdicts
+from utils.study import findings, measures, pages, results_table, verdicts
 
 REPO = Path(__file__).resolve().parents[1]
 NUMBER = r"[−+-]?\d+\.\d+(?:e[-+]?\d+)?"
@@ -260,8 +260,6 @@ STUDY_SECTIONS = [
     ("rivals_study.md", "Attention Residuals and mHC (issue 67)"),
     ("depth_sweep_study.md", None), ("depth_sweep_study.md", "What the depth sweep found"),
     ("width_sweep_study.md", None), ("width_sweep_study.md", "What the width sweep found"),
-    ("wikipedia_study.md", None), ("wikipedia_study.md", "What the Wikipedia depth sweep found"),
-    ("wikipedia_study.md", "The budget × depth map"),
 ]
 
 
@@ -285,3 +283,24 @@ def test_the_check_computes_arm_pairs_from_the_records_and_catches_a_drifted_one
     assert unmatched(honest, [report]) == []
     drifted = f"{effect:+.3f} [{low + 0.001:+.4f}, {high:+.3f}]"
     assert unmatched(drifted, [report]) == [drifted]
+
+
+@pytest.mark.parametrize("page", list(pages.PAGES))
+def test_a_rendered_page_is_what_the_summaries_give_and_its_caveats_hold_no_number(page):
+    """Issue 80: a study page's answer, set-up and rebuild commands are rendered; what is written by hand (the
+    question and the caveats) carries no number, so no number on the page can drift from its summary."""
+    text = (REPO / page).read_text()
+    assert {name: pages.block_of(text, name) for name in pages.BLOCKS} == pages.render(page, pages.Summaries()), \
+        "run python -m utils.study.pages"
+    caveats = re.sub(r"\]\([^)]*\)", "]", text.split("\n## Caveats\n")[1].split("\n## ")[0])
+    question = text.split("\n## ")[0]
+    assert re.findall(r"\d", caveats + question) == []
+
+
+def test_the_rendered_wikipedia_answer_follows_its_intervals():
+    """Move the longest budget's lead slope into an interval that holds zero: the page stops saying it shrinks."""
+    summaries = pages.Summaries()
+    assert "the lead shrinks with depth" in pages.wikipedia_answer(summaries)
+    summaries[pages.MAP]["budgets"]["10500"]["slope"]["high"] = 0.001
+    assert "the lead shrinks with depth" not in pages.wikipedia_answer(summaries)
+

@@ -1,0 +1,221 @@
+"""Study pages whose answer, set-up and rebuild commands are rendered from the committed summaries (issue 80).
+
+A page is: its question and caveats, written by hand without numbers; and three blocks between markers, rewritten
+here: the answer (every number with its interval, words only as findings.py allows them), the set-up (from the
+summaries' settings and the records' hosts) and how to rebuild it (the registry's commands).
+
+    python -m utils.study.pages          # rewrite every rendered block
+    python -m utils.study.pages --check  # exit 1 where a page's block is not what the summaries give
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+from peft_pretraining.cli import OneLineErrorParser
+from utils.study import records as record_store
+from utils.study import registry
+from utils.study.findings import effect, number, seeds, word
+from utils.study.results_table import rate_text
+from utils.study.runs import REPO
+
+NAMES = {"pre": "Pre-LN", "lns": "LNS"}
+BLOCKS = ("answer", "setup", "rebuild")
+
+
+class Summaries:
+    """Committed JSON under the repository, each read once."""
+
+    def __init__(self, root: Path = REPO):
+        self.root, self.cache = root, {}
+
+    def __getitem__(self, name: str) -> dict:
+        if name not in self.cache:
+            self.cache[name] = json.loads((self.root / name).read_text())
+        return self.cache[name]
+
+
+def pays(slopes: dict) -> str:
+    """Where depth pays at a budget: the arms whose eval loss falls with depth beyond noise, with the slope."""
+    parts = []
+    for arm, v in slopes.items():
+        verb = word(v, "adding layers raises its loss", "depth pays", "depth is not shown to pay")
+        parts.append(f"for {NAMES[arm]} {verb} ({effect(v)})")
+    return "; ".join(parts)
+
+
+def hosts(folders: list[str], root: Path) -> str:
+    """The CPUs and precisions the folders' records were trained with, with run counts."""
+    found = Counter()
+    for folder in folders:
+        for path in record_store.paths_in(root / folder / "runs"):
+            record = record_store.read(path)
+            machine = (record.get("machine") or "an unrecorded host").split(", ")
+            cpu = (machine[1] if len(machine) > 1 else machine[0]).replace("(R)", "")
+            flags = record["flags"]
+            dtype = flags[flags.index("--dtype") + 1] if "--dtype" in flags else "float32"
+            found[f"{cpu}, {dtype}{', compiled' if '--compile' in flags else ', eager'}"] += 1
+    return "; ".join(f"{what} ({n} runs)" for what, n in found.most_common())
+
+
+# ----------------------------------------------------------------------------------------- the Wikipedia study
+MAP = "docs/depth_sweep_wikipedia_budget_map/budget_map.json"
+WORTH = "docs/compute_multiplier/multiplier.json"
+LONGEST = "docs/depth_sweep_wikipedia_lr0.002/summary.json"
+
+
+def wikipedia_answer(s: Summaries) -> str:
+    budget_map, worth = s[MAP], s[WORTH]["arms"]["lns"]
+    longest = s[LONGEST]
+    lines = []
+    for updates, budget in budget_map["budgets"].items():
+        depths = budget["depths"]
+        lead = budget["lead"][str(max(depths))]
+        values = list(lead.values())
+        slope = budget["slope"]
+        rows = {r["depth"]: r for r in worth["by_budget"].get(updates, []) if r["geomean"] is not None}
+        trend = worth["trends"].get(updates, {}).get("verdict")
+        text = (f"- **{int(updates):,} updates** ({budget['tokens'] / 1e6:.1f}M tokens, L = "
+                f"{', '.join(map(str, depths))}): {pays(budget['depth_pays'])}. LNS's lead over Pre-LN at "
+                f"L = {max(depths)} is {number(sum(values) / len(values))} nats (per seed "
+                f"{', '.join(number(v) for v in values)}); the lead "
+                f"{word(slope, 'grows with depth', 'shrinks with depth', 'is not shown to change with depth')} "
+                f"(slope against ln L {effect(slope)}, {seeds(slope, 'grow', 'shrink')}).")
+        if rows:
+            deepest = max(rows)
+            text += (f" Pre-LN needs {effect(rows[deepest]['verdict'], ratio=True)} of LNS's updates to match it at "
+                     f"L = {deepest}; the multiplier "
+                     + (word(trend, "grows with depth", "shrinks with depth", "is not shown to change with depth")
+                        if trend and trend.get("effect") is not None else "has no trend yet")
+                     + (f" ({effect(trend)})." if trend and trend.get("effect") is not None else "."))
+        lines.append(text)
+    for pair in budget_map["interactions"]:
+        v = pair["difference"]
+        which = word(v, "larger at the shorter budget", "larger at the longer budget", "a difference is not shown")
+        lines.append(f"- The lead's slope over L = {', '.join(map(str, pair['depths']))} at {pair['short']:,} against "
+                     f"{pair['long']:,} updates: {which} ({effect(v)}, "
+                     f"{seeds(v, 'larger at the shorter', 'larger at the longer')}).")
+    compared = {entry["measure"]: entry for entry in longest["comparative"]}
+    variance, identity = compared["variance_growth"]["ratio"], compared["jacobian_deep"]["ratio"]
+    angular = compared["angular_deep"]["ratio"]
+    variance_words = word(variance, "is larger", "is smaller (the paper's way)", "is not shown to differ")
+    identity_words = word(identity, "away from the identity (the paper's way)",
+                          "toward the identity (against the paper)", "in no direction shown")
+    angular_words = word(angular, "grows", "shrinks (against the paper)", "shows no trend")
+    lines.append(f"- **The mechanism, at {longest['settings']['steps']:,} updates:** LNS's variance growth relative to "
+                 f"Pre-LN's {variance_words} ({effect(variance)}, log ratio); with depth, LNS's deep blocks relative "
+                 f"to Pre-LN's move {identity_words} (slope of the log ratio of ‖J − I‖ {effect(identity)}) and their "
+                 f"angular distance {angular_words} ({effect(angular)}).")
+    best = budget_map.get("best_rates") or []
+    if best:
+        deepest = max(best, key=lambda b: b["depth"])
+        v = deepest["verdict"]
+        lower = word(v, "Pre-LN reaches the lower loss", "LNS reaches the lower loss", "a difference is not shown")
+        lines.append(f"- **Each arm at its own best rate** ({budget_map['best_rate_updates']:,} updates, one seed, "
+                     f"rates chosen on the eval text): at L = {deepest['depth']} Pre-LN at {deepest['rate_pre']:g} "
+                     f"and LNS at {deepest['rate_lns']:g}, {lower} ({effect(v)} {over(v)}).")
+    return "\n".join(lines)
+
+
+def over(verdict: dict) -> str:
+    """What an interval is over: seeds, or (one seed) held-out articles, whose noise is not the seed's."""
+    if verdict["unit"] == "documents":
+        return f"nats per word over {verdict['n_pairs']} held-out articles: the articles' noise, not the seed's"
+    return f"nats over {verdict['n_pairs']} seeds"
+
+
+def wikipedia_setup(s: Summaries) -> str:
+    budget_map, longest = s[MAP], s[LONGEST]["settings"]
+    folders = budget_map["folders"]
+    budgets = ", ".join(f"{int(u):,}" for u in budget_map["budgets"])
+    return "\n".join([
+        f"- **Corpus:** English Wikipedia, 5,907 articles ([data](data.md#the-wikipedia-corpus-and-its-tokenizer)), "
+        f"a {longest['vocab_size']:,}-token BPE vocabulary, read in one pass; evaluated on the first "
+        f"{longest['eval_tokens']:,} validation tokens, analysed on the first validation articles.",
+        f"- **Model:** LLaMA blocks at hidden 64 (4 heads of 16, MLP 176), L = "
+        f"{', '.join(map(str, sorted({d for b in budget_map['budgets'].values() for d in b['depths']})))}.",
+        f"- **Budgets:** {budgets} updates of {longest['batch_size']} × {longest['max_length']} tokens, each a "
+        f"finished run: warmup 10% of it, cosine to 10% of the peak.",
+        f"- **Rate:** lr {rate_text(budget_map['rate'])} for both arms, Adam, no weight decay, clipping 1.0; a "
+        f"one-seed grid beside the longest budget ({', '.join(budget_map['grid_folders'])}).",
+        f"- **Seeds:** {', '.join(map(str, longest['seeds']))}, paired across arms; intervals are Student-t over "
+        "seeds.",
+        f"- **Hosts and precision:** {hosts(folders, REPO)}.",
+    ])
+
+
+# ----------------------------------------------------------------------------------------- the page table
+PAGES = {
+    "docs/wikipedia_study.md": dict(answer=wikipedia_answer, setup=wikipedia_setup,
+                                    rebuild=(registry.WIKIPEDIA, registry.BUDGET_MAP)),
+}
+
+
+def rebuild_block(groups: tuple[str, ...]) -> str:
+    lines = ["```bash"]
+    for study in registry.STUDIES:
+        if study.group in groups:
+            lines.append(f"{study.command}   # {study.name}")
+    return "\n".join([*lines, "```"])
+
+
+def render(page: str, s: Summaries) -> dict[str, str]:
+    spec = PAGES[page]
+    return dict(answer=spec["answer"](s), setup=spec["setup"](s), rebuild=rebuild_block(spec["rebuild"]))
+
+
+def markers(name: str) -> tuple[str, str]:
+    return f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+
+
+def block_of(text: str, name: str) -> str:
+    start, end = markers(name)
+    if start not in text or end not in text:
+        raise ValueError(f"no {start} ... {end} markers")
+    return text.split(start, 1)[1].split(end, 1)[0].strip("\n")
+
+
+def with_block(text: str, name: str, body: str) -> str:
+    start, end = markers(name)
+    before, rest = text.split(start, 1)
+    return f"{before}{start}\n{body}\n{end}{rest.split(end, 1)[1]}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(prog="python -m utils.study.pages", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 where a block is stale")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    summaries, stale = Summaries(), []
+    for page in PAGES:
+        path = REPO / page
+        text = path.read_text()
+        wanted = render(page, summaries)
+        try:
+            current = {name: block_of(text, name) for name in BLOCKS}
+        except ValueError as error:
+            print(f"{page}: {error}", file=sys.stderr)
+            return 2
+        if current == wanted:
+            continue
+        stale.append(page)
+        if not args.check:
+            for name, body in wanted.items():
+                text = with_block(text, name, body)
+            path.write_text(text)
+    if args.check and stale:
+        print(f"{', '.join(stale)}: rendered blocks are stale; run python -m utils.study.pages", file=sys.stderr)
+        return 1
+    print(f"{len(stale)} page(s) {'stale' if args.check else 'rewritten'}, {len(PAGES) - len(stale)} unchanged")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
