@@ -255,9 +255,6 @@ def study_section_paragraphs(page: str, heading: str | None) -> list[tuple[str, 
 
 STUDY_SECTIONS = [
     ("cpu_study.md", None), ("cpu_study.md", "What the study found"),
-    ("rivals_study.md", None), ("rivals_study.md", "What the rivals extension found (300 updates)"),
-    ("rivals_study.md", "What the rivals found at 1,500 updates"),
-    ("rivals_study.md", "Attention Residuals and mHC (issue 67)"),
     ("depth_sweep_study.md", None), ("depth_sweep_study.md", "What the depth sweep found"),
     ("width_sweep_study.md", None), ("width_sweep_study.md", "What the width sweep found"),
 ]

@@ -147,10 +147,75 @@ def wikipedia_setup(s: Summaries) -> str:
     ])
 
 
+# ----------------------------------------------------------------------------------------- the rivals
+RIVALS_SHORT = "docs/study/summary_rivals_2026.json"  # 300 updates, float32 eager, every rival but the 1,500-only
+RIVALS_LONG = "docs/study_long_mixed_compile/summary_rivals_2026.json"  # 1,500 updates, mixed compiled
+DEPTH_RIVALS = ("docs/depth_sweep_mixed_compile/summary_rivals.json",
+                "docs/depth_sweep_mixed_compile/summary_rivals_2026.json")
+
+
+def against_lns(verdict: dict | None) -> str:
+    if verdict is None:
+        return "—"
+    return f"{word(verdict, 'trails', 'beats', 'not shown')} {effect(verdict)}"
+
+
+def depth_rival_verdicts(s: Summaries) -> dict[str, dict[int, dict]]:
+    """{rival label: {depth: its eval loss against LNS's}} from the depth sweep's rival reports."""
+    found = {}
+    for summary in DEPTH_RIVALS:
+        for v in s[summary]["rivals"]:
+            head, _, rest = v["claim"].partition(": ")
+            if rest.endswith("(" + rest.split(" reaches")[0] + " − LNS)") and " lower eval loss than LNS" in rest:
+                found.setdefault(rest.split(" reaches")[0], {})[int(head.removeprefix("L="))] = v
+    return found
+
+
+def rivals_answer(s: Summaries) -> str:
+    from utils.compare_norms import ARM_BY_NAME
+
+    short, long_ = s[RIVALS_SHORT], s[RIVALS_LONG]
+    arms = [a for a in long_["per_arm_eval_loss"] if a not in ("pre", "lns")]
+    arms += [a for a in short["per_arm_eval_loss"] if a not in ("pre", "lns") and a not in arms]
+    deep = depth_rival_verdicts(s)
+    depths = sorted({d for per in deep.values() for d in per})
+    steps = (short["settings"]["steps"], long_["settings"]["steps"])
+    lines = [f"| arm | {steps[0]:,} updates | {steps[1]:,} updates | "
+             + " | ".join(f"depth sweep, L = {d}" for d in depths) + " |", "|---" * (3 + len(depths)) + "|"]
+    tally = Counter()
+    for arm in arms:
+        label = ARM_BY_NAME[arm].label
+        cells = [against_lns(summary["per_arm_eval_loss"].get(arm, {}).get("lns")) for summary in (short, long_)]
+        prefix = label.split(" (")[0].split(",")[0]
+        cells += [against_lns(next((per[d] for name, per in deep.items() if name.startswith(prefix) and d in per),
+                                   None)) for d in depths]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        verdict = long_["per_arm_eval_loss"].get(arm, {}).get("lns")
+        if verdict is not None:
+            tally[word(verdict, "trail", "beat", "not shown")] += 1
+    count = (f"At {steps[1]:,} updates, of {sum(tally.values())} arms against LNS, {tally['beat']} beat it, "
+             f"{tally['trail']} trail it and {tally['not shown']} are not shown to differ.")
+    return "\n".join([count, "", *lines])
+
+
+def rivals_setup(s: Summaries) -> str:
+    short, long_ = s[RIVALS_SHORT]["settings"], s[RIVALS_LONG]["settings"]
+    return "\n".join([
+        "- **Corpus:** the embedded corpus (Austen's novels, about 0.8M training tokens, seen over several epochs), "
+        "where adding layers raises the loss ([the depth sweep](depth_sweep_study.md)).",
+        f"- **Model:** `{long_['model_config']}`, {long_['batch_size']} × {long_['max_length']} tokens an update.",
+        f"- **Budgets:** {short['steps']:,} updates (float32, eager) and {long_['steps']:,} updates (mixed precision, "
+        f"compiled), seeds {', '.join(map(str, long_['seeds']))}; the depth sweep's rivals at its own budget.",
+        "- **Rate:** lr 1e-3 for every arm, not tuned per arm.",
+        f"- **Hosts and precision:** {hosts(['docs/study', 'docs/study_long_mixed_compile'], REPO)}.",
+    ])
+
+
 # ----------------------------------------------------------------------------------------- the page table
 PAGES = {
     "docs/wikipedia_study.md": dict(answer=wikipedia_answer, setup=wikipedia_setup,
                                     rebuild=(registry.WIKIPEDIA, registry.BUDGET_MAP)),
+    "docs/rivals_study.md": dict(answer=rivals_answer, setup=rivals_setup, rebuild=(registry.CPU_STUDY,)),
 }
 
 
