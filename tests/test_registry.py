@@ -88,3 +88,14 @@ def test_a_report_with_no_records_is_one_line_and_a_non_zero_exit(tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no record" in err and "registry list" in err
     assert not (tmp_path / "report").exists()
+
+
+def test_the_one_study_command_checks_and_names_a_bad_study(capsys):
+    """Issue 80: `python -m utils.study check` passes on the committed tree; a study that does not exist is one
+    line that names it, and nothing is rebuilt."""
+    from utils.study.__main__ import main as study_main
+
+    assert study_main(["check"]) == 0
+    with pytest.raises(SystemExit) as stopped:
+        study_main(["report", "no_such_study"])
+    assert stopped.value.code == 2 and "'no_such_study'" in capsys.readouterr().err

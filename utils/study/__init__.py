@@ -9,6 +9,11 @@ only their budgets, arms and report templates. No script imports another.
     replicate  which verdicts of a study survive a second run of it (another host), side by side
     lr_grid    a depth sweep trained at several --lr: each point's best rate, and the verdicts at the best rates
     results_table  the README's claims x regimes table, written from the committed summaries
+    findings   the words a finding may use, each printed from an interval; the README's rendered answers
+    pages      study pages whose answer, set-up and rebuild commands are rendered from the summaries
+    multiplier what LNS is worth in compute: the updates Pre-LN needs to reach its loss, over its own
+    rate_choice  learning rates chosen on a selection text that no verdict reads
+    __main__   `python -m utils.study list | train NAME | report NAME|all | check`
     measures   the scalar measures a record's analyses are summarised into, per arm and seed
     claims     the paper's claims about LNS against Pre-LN as paired verdicts on two arms, and their report text
     sweep      what the depth and width sweeps share: the axis, configs, flags, slopes against ln of the swept value
