@@ -190,3 +190,17 @@ def test_machine_header_reads_cpuinfo_of_any_architecture(tmp_path, monkeypatch,
     monkeypatch.setattr(host, "Path", lambda path: fake if str(path) == "/proc/cpuinfo" else Path(path))
     assert host.cpuinfo_field("model name") == model_name
     assert f"bf16 hardware: {bf16_hardware}," in benchmark_model.machine()
+
+
+@pytest.mark.e2e
+def test_the_sweep_lanes_benchmark_writes_a_row_per_variant(tmp_path):
+    """utils/bench/benchmark_sweep_lanes.py --quick, eager only: both layouts train and are timed."""
+    import json
+
+    from utils.bench import benchmark_sweep_lanes
+
+    benchmark_sweep_lanes.main(["--quick", "--modes", "eager", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "lanes.json").read_text())["rows"]
+    assert [row["layout"] for row in rows] == ["2 x 1", "1 x 2"]
+    assert all(row["total_tokens_per_s"] > 0 for row in rows)
+    assert (tmp_path / "lanes.csv").read_text().startswith("hidden,layers,mode,layout,total_tokens_per_s")
