@@ -1,4 +1,5 @@
 """Run records on disk (utils/study/records.py), and the weight of what the repository tracks (issue 65)."""
+import dataclasses
 import gzip
 import json
 import shutil
@@ -81,3 +82,29 @@ def test_the_repository_tracks_at_most_20_mb_and_no_figure_over_160_kb():
     assert sum(path.stat().st_size for path in files) <= 20e6
     assert [path for path in files if path.suffix == ".png" and path.stat().st_size > 160_000] == []
     assert [path for path in files if path.parent.name == "runs" and path.name.endswith(".json")] == []
+
+
+def test_a_record_s_run_fields_are_typed_stored_or_derived_once():
+    """Issue 80: readers take a run's rate, budget and shape from records.fields, never from its flag strings; a
+    record written now stores them, an older one derives them from its flags."""
+    flags = ["--model_config", "runs/x/configs/llama_h64_L24.json", "--lr", "0.002", "--num_training_steps", "2400",
+             "--warmup_steps", "240", "--batch_size", "16", "--max_length", "128", "--norm_type", "lns", "--seed", "3",
+             "--dataset", "wikipedia", "--compile"]
+    derived = records.fields({"flags": flags})
+    assert (derived.rate, derived.updates, derived.hidden, derived.depth, derived.norm, derived.seed) == \
+        (0.002, 2400, 64, 24, "lns", 3)
+    assert derived.compiled and derived.dtype == "float32" and derived.device == "cpu"  # the defaults of old records
+    stored = dict(dataclasses.asdict(derived), rate=0.004)
+    assert records.fields({"flags": flags, "run": stored}).rate == 0.004  # the stored fields win
+
+
+def test_no_study_reader_parses_flag_strings():
+    """Only records.py reads a record's flags; the runner builds them (runs.with_study_dtype edits its own)."""
+    offenders = []
+    for path in sorted((runs.REPO / "utils").rglob("*.py")):
+        if path.name == "records.py" or "gpu" in path.parts or "bench" in path.parts:
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if '["flags"]' in line or ("flags.index(" in line and "train_flags.index" not in line):
+                offenders.append(f"{path.relative_to(runs.REPO)}:{number}")
+    assert offenders == []

@@ -49,6 +49,7 @@ from utils.study.depth_verdicts import (
     rival_verdicts,
     rivals_section,
 )
+from utils.study.records import derive_fields
 from utils.study.runs import RunSpec
 from utils.study.sweep import (
     BASE_CONFIG,
@@ -540,8 +541,7 @@ def estimate(args) -> dict:
     for spec in specs:
         if spec.name not in left:
             continue
-        flags = spec.flags()
-        config = argparse.Namespace(**json.loads((REPO / flags[flags.index("--model_config") + 1]).read_text()))
+        config = argparse.Namespace(**json.loads((REPO / derive_fields(list(spec.flags())).config).read_text()))
         run_flops = model_flops_per_token(config, s["max_length"]) * tokens
         flops += run_flops
         rows.append(dict(run=spec.name, layers=config.num_hidden_layers, hidden=config.hidden_size,

@@ -34,13 +34,8 @@ PER_RUN_FLAGS = ("--seed", "--norm_type", "--num_training_steps", "--warmup_step
 DEFAULT_OUT = REPO / "docs/depth_sweep_wikipedia_budget_map"
 
 
-def flag(record: dict, name: str) -> str:
-    flags = record["flags"]
-    return flags[flags.index(name) + 1]
-
-
 def updates_of(record: dict) -> int:
-    return int(flag(record, "--num_training_steps"))
+    return record_store.fields(record).updates
 
 
 def read_folder(folder: Path) -> dict[str, dict]:
@@ -336,7 +331,7 @@ def map_table(entries: dict[int, dict]) -> str:
 def write(folders: list[Path], grid_folders: list[Path], out: Path, argv: list[str]) -> dict:
     budgets, rate, folder_of = read_map(folders)
     some = next(iter(next(iter(budgets.values())).values()))
-    settings = dict(batch=int(flag(some, "--batch_size")), length=int(flag(some, "--max_length")))
+    settings = dict(batch=record_store.fields(some).batch, length=record_store.fields(some).length)
     entries = {updates: budget_entry(updates, records, settings) for updates, records in budgets.items()}
     # A budget with fewer than two depths has no slope yet: it waits outside the comparison.
     sloped = {updates: e for updates, e in entries.items() if len(e["depths"]) >= 2}

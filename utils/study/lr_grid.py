@@ -42,21 +42,14 @@ PER_RUN_FLAGS = ("--lr", "--seed", "--norm_type")
 
 
 def rate_of(record: dict) -> float:
-    flags = record["flags"]
-    return float(flags[flags.index("--lr") + 1])
+    return record_store.fields(record).rate
 
 
 def budget_of(record: dict, per_run: tuple[str, ...] = PER_RUN_FLAGS) -> tuple:
     """What a record shares with every other record of its grid: its flags without the `per_run` ones (the rate,
     the arm and the seed), its config's name without its folder and depth (llama_h64_L12.json: llama_h64.json),
     and its analysis settings."""
-    flags, kept = record["flags"], []
-    for index, flag in enumerate(flags):
-        if flag in per_run or (index and flags[index - 1] in per_run):
-            continue
-        kept.append(re.sub(r"_L\d+(?=\.json$)", "", Path(flag).name) if index and flags[index - 1] == "--model_config"
-                    else flag)
-    return tuple(kept), json.dumps(recorded_settings(record), sort_keys=True)
+    return record_store.setup_key(record, per_run), json.dumps(recorded_settings(record), sort_keys=True)
 
 
 def point_name(depth: int, norm: str, rate: float) -> str:

@@ -23,14 +23,13 @@ import argparse
 import csv
 import json
 import math
-import re
 import sys
 from pathlib import Path
 
 import numpy as np
 
 from peft_pretraining.cli import OneLineErrorParser
-from utils.study import budget_map, lr_grid, verdicts
+from utils.study import lr_grid, verdicts
 from utils.study import records as record_store
 from utils.study.plots import pyplot, save_figure
 from utils.study.runs import REPO
@@ -40,7 +39,6 @@ DEFAULT_OUT = REPO / "docs/compute_multiplier"
 REFERENCE = "pre"
 ARM_LABELS = {"lns": "LNS", "attnres": "Attention Residuals", "mhc": "mHC", "siamese": "SiameseNorm",
               "gpas": "GPAS", "bhyt": "BHyT"}
-CONFIG_NAME = re.compile(r"llama_h(\d+)_L(\d+)\.json$")
 EXPONENTS = np.geomspace(0.02, 4.0, 400)  # the fit's c, searched on a grid (a, b by least squares at each)
 
 
@@ -96,16 +94,15 @@ def read_sweep(folders: list[Path]) -> tuple[dict, dict]:
             match = lr_grid.ARM.fullmatch(record.get("arm", ""))
             if match is None or record.get("status") != "finished":
                 continue
-            shape = dict(batch=int(budget_map.flag(record, "--batch_size")),
-                         length=int(budget_map.flag(record, "--max_length")), rate=lr_grid.rate_of(record),
-                         hidden=int(CONFIG_NAME.search(budget_map.flag(record, "--model_config"))[1]))
+            run = record_store.fields(record)
+            shape = dict(batch=run.batch, length=run.length, rate=run.rate, hidden=run.hidden)
             if settings is None:
                 settings, first = shape, path
             elif shape != settings:
                 raise ValueError(f"{path}: trained at {shape}, {first} at {settings}; one sweep at one rate")
             depth, norm = int(match[1]), match[2]
             losses.setdefault(norm, {}).setdefault(depth, {}).setdefault(record["seed"], {})[
-                budget_map.updates_of(record)] = record["final_eval_loss"]
+                run.updates] = record["final_eval_loss"]
     if REFERENCE not in (losses or {}):
         raise ValueError(f"{', '.join(map(str, folders))}: no finished Pre-LN run to measure against")
     return losses, settings

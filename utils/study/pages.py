@@ -55,9 +55,8 @@ def hosts(folders: list[str], root: Path) -> str:
             record = record_store.read(path)
             machine = (record.get("machine") or "an unrecorded host").split(", ")
             cpu = (machine[1] if len(machine) > 1 else machine[0]).replace("(R)", "")
-            flags = record["flags"]
-            dtype = flags[flags.index("--dtype") + 1] if "--dtype" in flags else "float32"
-            found[f"{cpu}, {dtype}{', compiled' if '--compile' in flags else ', eager'}"] += 1
+            run = record_store.fields(record)
+            found[f"{cpu}, {run.dtype}{', compiled' if run.compiled else ', eager'}"] += 1
     return "; ".join(f"{what} ({n} runs)" for what, n in found.most_common())
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from peft_pretraining.cli import OneLineErrorParser
-from utils.study import budget_map, lr_grid
+from utils.study import lr_grid
 from utils.study import records as record_store
 from utils.study.runs import REPO
 
@@ -64,7 +64,7 @@ def evaluate_folder(folder: Path, runs_dir: Path) -> list[str]:
         if not checkpoint.is_dir():
             raise SystemExit(f"--runs_dir: {checkpoint} is missing; the selection loss needs the run's final "
                              "checkpoint (train it again with the study's command, which keeps it on the CPU)")
-        record["selection"] = selection_loss(checkpoint, int(budget_map.flag(record, "--max_length")))
+        record["selection"] = selection_loss(checkpoint, record_store.fields(record).length)
         record_store.write(folder / "runs", name, record)
         done.append(f"{name}: {record['selection']['loss']:.4f}")
     return done
@@ -80,7 +80,7 @@ def choose(folders: list[Path]) -> dict:
             if match is None or "selection" not in record:
                 continue
             losses.setdefault(match[2], {}).setdefault(int(match[1]), {}).setdefault(
-                lr_grid.rate_of(record), {})[record["seed"]] = record["selection"]["loss"]
+                record_store.fields(record).rate, {})[record["seed"]] = record["selection"]["loss"]
     chosen = {}
     for arm, by_depth in sorted(losses.items()):
         for depth, by_rate in sorted(by_depth.items()):

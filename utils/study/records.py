@@ -15,9 +15,11 @@ rewrites them in place (each is read back and compared before its old file is re
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -79,6 +81,64 @@ def read(path: Path) -> dict:
 def read_if_present(path: Path | None) -> dict | None:
     """The record at `path`, None where there is none (`find` gave None); UnreadableRecord if it does not read."""
     return read(path) if path is not None else None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFields:
+    """What a run trained, as typed fields: the one place a record's trainer flags are read (issue 80). A record
+    written since keeps them under "run"; an older one has them derived from its flags, here, once."""
+    norm: str | None  # None: a flag the record's command line left out
+    seed: int | None
+    rate: float | None
+    updates: int | None
+    warmup: int | None
+    batch: int | None
+    length: int | None
+    config: str  # the model config the run trained, as its flags name it ("" if none)
+    hidden: int | None  # the config's hidden size where its name carries it (llama_h64_L24.json)
+    depth: int | None  # its number of layers, likewise
+    dtype: str
+    compiled: bool
+    device: str
+    dataset: str
+
+
+CONFIG_NAME = re.compile(r"llama_h(\d+)_L(\d+)\.json$")
+# what a record made before its command line named them was trained with; any other flag it lacks is None
+FLAG_DEFAULTS = {"--device": "cpu", "--dtype": "float32"}
+
+
+def derive_fields(flags: list[str]) -> RunFields:
+    """RunFields from a trainer command line (the flags a record keeps)."""
+    def value(name: str, cast=str):
+        text = flags[flags.index(name) + 1] if name in flags[:-1] else FLAG_DEFAULTS.get(name)
+        return None if text is None else cast(text)
+
+    config = value("--model_config") or ""
+    shape = CONFIG_NAME.search(config)
+    return RunFields(norm=value("--norm_type"), seed=value("--seed", int), rate=value("--lr", float),
+                     updates=value("--num_training_steps", int), warmup=value("--warmup_steps", int),
+                     batch=value("--batch_size", int), length=value("--max_length", int), config=config,
+                     hidden=int(shape[1]) if shape else None, depth=int(shape[2]) if shape else None,
+                     dtype=value("--dtype"), compiled="--compile" in flags, device=value("--device"),
+                     dataset=value("--dataset"))
+
+
+def fields(record: dict) -> RunFields:
+    """A record's RunFields: stored, or derived once from its flags."""
+    return RunFields(**record["run"]) if "run" in record else derive_fields(record["flags"])
+
+
+def setup_key(record: dict, varying: tuple[str, ...]) -> tuple:
+    """What a record shares with every other run of one study: its trainer flags without the `varying` ones (and
+    their values), its model config named without folder or depth."""
+    flags, kept = record["flags"], []
+    for index, flag in enumerate(flags):
+        if flag in varying or (index and flags[index - 1] in varying):
+            continue
+        kept.append(re.sub(r"_L\d+(?=\.json$)", "", Path(flag).name) if index and flags[index - 1] == "--model_config"
+                    else flag)
+    return tuple(kept)
 
 
 def encode(record: dict) -> bytes:

@@ -102,12 +102,8 @@ def settings_difference(original: dict, replicate: dict) -> str | None:
 
 
 def training_flags(record: dict) -> list[str]:
-    """A record's flags, its model config named by file only: a sweep writes its configs into its runs folder."""
-    flags = list(record.get("flags") or [])
-    if "--model_config" in flags[:-1]:
-        at = flags.index("--model_config") + 1
-        flags[at] = Path(flags[at]).name
-    return flags
+    """A record's flags, its model config named by file only (a sweep writes its configs into its runs folder)."""
+    return list(record_store.setup_key(record, ())) if record.get("flags") else []
 
 
 def runs_difference(original: dict[str, dict], replicate: dict[str, dict]) -> str | None:

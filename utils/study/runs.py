@@ -179,8 +179,7 @@ def recorded_settings(record: dict) -> dict | None:
 
 def record_device(record: dict) -> str:
     """Where a record's run trained: its trainer --device (a record without one was made on the CPU)."""
-    flags = record.get("flags") or []
-    return flags[flags.index("--device") + 1] if "--device" in flags else "cpu"
+    return record_store.fields(dict(record, flags=record.get("flags") or [])).device
 
 
 def checkpointed_steps(record: dict, spec: RunSpec) -> list[int]:
@@ -237,6 +236,7 @@ def run_job(spec: RunSpec, settings: AnalysisSettings, runs_dir: Path, records_d
     analyses = analyse_run(run_dir, steps, settings, log_dir / f"{spec.name}.analyse.log", env) if steps else {}
 
     record = dict(version=RECORD_VERSION, arm=spec.arm, seed=spec.seed, flags=spec.flags(),
+                  run=dataclasses.asdict(record_store.derive_fields(list(spec.flags()))),  # read back typed
                   analysis_settings=dataclasses.asdict(settings), status=results["status"],
                   last_step=int(results["step"]), final_eval_loss=results.get("final_eval_loss"),
                   diverged_reason=results.get("diverged_reason"), tokens_seen=results.get("tokens_seen"),
@@ -303,9 +303,9 @@ def checkpoint_bytes(spec: RunSpec) -> int:
     (twice the weights) in the newest and in the one being written."""
     from utils.instruments.model_arithmetic import parameter_count
 
-    flags = spec.flags()
-    config = argparse.Namespace(**json.loads((REPO / flags[flags.index("--model_config") + 1]).read_text()))
-    steps = int(flags[flags.index("--num_training_steps") + 1])
+    run = record_store.derive_fields(list(spec.flags()))
+    config = argparse.Namespace(**json.loads((REPO / run.config).read_text()))
+    steps = run.updates
     checkpoints = steps // (spec.save_every or save_every_for(spec.analyse_steps))
     return 4 * parameter_count(config) * (checkpoints + 2 * 2)
 
