@@ -104,10 +104,12 @@ ARMS = [
     # committed reports of the other budgets keep their arms
     placement_arm("attnres", "streams", detail=" (Block, 8 blocks)"),
     placement_arm("mhc", "streams", detail=" (n = 4)"),
+    # SiameseNorm (issue 81): two streams sharing every block; only the *_siamese budgets train it
+    placement_arm("siamese", "siamese"),
 ]
 ARM_BY_NAME = {arm.name: arm for arm in ARMS}
 SEED_KEYS = {"core": "seeds", "precision": "precision_seeds", "norms": "norms_seeds", "rivals": "seeds",
-             "recent": "recent_seeds", "streams": "stream_seeds"}
+             "recent": "recent_seeds", "streams": "stream_seeds", "siamese": "siamese_seeds"}
 
 # The budgets. Chosen for statistical power within the time limit, not tuned to the paper (see the report).
 LONG_BUDGET = dict(steps=1500, warmup=75, groups=("core",), out="docs/study_long", runs_dir="runs/study_long")
@@ -133,6 +135,10 @@ BUDGETS = {
     "long_rivals_2026": {**LONG_BUDGET, "groups": ("core", "norms", "rivals", "recent", "streams"),
                          "norms_seeds": (1, 2, 3), "recent_seeds": (1, 2, 3), "stream_seeds": (1, 2, 3),
                          "report_suffix": "_rivals_2026"},
+    # the 2026 rivals plus SiameseNorm (issue 81), in their own report (report_rivals_siamese.md), same records
+    "long_rivals_siamese": {**LONG_BUDGET, "groups": ("core", "norms", "rivals", "recent", "streams", "siamese"),
+                            "norms_seeds": (1, 2, 3), "recent_seeds": (1, 2, 3), "stream_seeds": (1, 2, 3),
+                            "siamese_seeds": (1, 2, 3), "report_suffix": "_rivals_siamese"},
     "quick": dict(model_config="configs/llama_tiny.json", steps=6, warmup=1, batch_size=4, max_length=64,
                   eval_tokens=1_024, seeds=(1, 2), precision_seeds=(1, 2), norms_seeds=(1, 2), dynamics_points=2,
                   groups=("core", "precision", "norms", "recent"), recent_seeds=(1,), stream_seeds=(1,),
@@ -200,7 +206,7 @@ def run_specs(args, arms: list[Arm]) -> list[RunSpec]:
             "0", "--device", args.device)
     specs = []
     # the core first: a partial study answers it first
-    for group in ("core", "precision", "norms", "rivals", "recent", "streams"):
+    for group in ("core", "precision", "norms", "rivals", "recent", "streams", "siamese"):
         group_arms = [a for a in arms if a.group == group]
         for seed in s[SEED_KEYS[group]] if group_arms else ():  # seed-major: the pairs of a seed finish together
             for arm in group_arms:
@@ -215,7 +221,8 @@ def run_specs(args, arms: list[Arm]) -> list[RunSpec]:
 
 GROUP_NAMES = {"core": "the {fp32} Pre-LN and LNS arms", "precision": "the pure-bf16 arms",
                "norms": "Post-LN, Mix-LN and DeepNorm", "rivals": "the rivals",
-               "recent": "GPAS, LNS + GPAS, BHyT and HybridNorm", "streams": "AttnRes and mHC"}
+               "recent": "GPAS, LNS + GPAS, BHyT and HybridNorm", "streams": "AttnRes and mHC",
+               "siamese": "SiameseNorm"}
 
 
 def seeds_sentence(settings: dict, fp32_label: str) -> str:

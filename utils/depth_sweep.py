@@ -80,7 +80,10 @@ BUDGETS = {
     # GPAS and BHyT beside the default's Pre-LN and LNS at L = 24 and 48 (same records folder)
     "rivals": dict(rival_norms=("gpas", "bhyt"), rival_depths=(24, 48), report_suffix="_rivals"),
     # and AttnRes and mHC beside them (issue 67), in their own report over the same records
-    "rivals_2026": dict(rival_norms=tuple(RIVAL_NORMS), rival_depths=(24, 48), report_suffix="_rivals_2026"),
+    "rivals_2026": dict(rival_norms=("gpas", "bhyt", "attnres", "mhc"), rival_depths=(24, 48),
+                        report_suffix="_rivals_2026"),
+    # and SiameseNorm beside them (issue 81), in its own report over the same records
+    "rivals_siamese": dict(rival_norms=tuple(RIVAL_NORMS), rival_depths=(24, 48), report_suffix="_rivals_siamese"),
     "long": dict(steps=1200, warmup=120, out="docs/depth_sweep_long", runs_dir="runs/depth_sweep_long"),
     # Issue 47: the Wikipedia articles (many authors, 28.7M tokens), at most one pass, where depth may pay. The budget
     # stays below the update at which the stream first repeats an article (wikipedia_corpus.SINGLE_PASS_UPDATES);
@@ -115,9 +118,12 @@ BUDGETS["wikipedia_2400_h128"] = dict(BUDGETS["wikipedia_2400"], **WIDE, out="do
                                       runs_dir="runs/depth_sweep_wikipedia_2400_h128")
 BUDGETS["wikipedia_5000_h128"] = dict(BUDGETS["wikipedia_5000"], **WIDE, out="docs/depth_sweep_wikipedia_5000_h128",
                                       runs_dir="runs/depth_sweep_wikipedia_5000_h128")
-# Attention Residuals beside Pre-LN and LNS on the 2,400-update budget, in its own report over the same records
+# Attention Residuals (issue 79, at its own best rate: --lr names the folder) and SiameseNorm (issue 81, at the shared
+# rate) beside Pre-LN and LNS on the 2,400-update budget, each in its own report over the same records
 BUDGETS["wikipedia_2400_attnres"] = dict(BUDGETS["wikipedia_2400"], rival_norms=("attnres",), rival_depths=(6, 12, 24),
                                          report_suffix="_attnres")
+BUDGETS["wikipedia_2400_siamese"] = dict(BUDGETS["wikipedia_2400"], rival_norms=("siamese",), rival_depths=(6, 12, 24),
+                                         report_suffix="_siamese")
 # Issue 68, the paper's width on one GPU: the 130M block shape (hidden 768, 12 heads of 64, MLP 2048) at L = 6, 12
 # and 24 on the Wikipedia split. A step is 64 sequences of 256 tokens, the paper's 130M micro-batch (run_130m.sh
 # --batch_size 64) without its 8-fold accumulation, so that one pass is some 1,350 updates rather than 170: enough for

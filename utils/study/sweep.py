@@ -18,7 +18,7 @@ from utils.study.runs import REPO, dataset_flags, peak_lr
 NORMS = {name: PLACEMENTS[name].label for name in ("pre", "lns")}
 # Fixes published since the paper, trained at a budget's rival_depths only: GPAS and BHyT (issue 39, `--budget
 # rivals`), then AttnRes and mHC, which rebuild the residual stream (issue 67, `--budget rivals_2026`)
-RIVAL_NORMS = {name: PLACEMENTS[name].label for name in ("gpas", "bhyt", "attnres", "mhc")}
+RIVAL_NORMS = {name: PLACEMENTS[name].label for name in ("gpas", "bhyt", "attnres", "mhc", "siamese")}
 NORM_LABELS = {**NORMS, **RIVAL_NORMS}
 # Hidden 64 (head dim 16) keeps a 48-layer run near 20 minutes with its analyses on one core; 128 would make every
 # run about four times dearer. Measured per run (train + analyses, two runs side by side; mean of the records in
