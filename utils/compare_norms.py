@@ -141,7 +141,7 @@ BUDGETS = {
                             "siamese_seeds": (1, 2, 3), "report_suffix": "_rivals_siamese"},
     "quick": dict(model_config="configs/llama_tiny.json", steps=6, warmup=1, batch_size=4, max_length=64,
                   eval_tokens=1_024, seeds=(1, 2), precision_seeds=(1, 2), norms_seeds=(1, 2), dynamics_points=2,
-                  groups=("core", "precision", "norms", "recent"), recent_seeds=(1,), stream_seeds=(1,),
+                  groups=("core", "precision", "norms", "recent"), recent_seeds=(1,), stream_seeds=(1,), siamese_seeds=(1,),
                   stream_tokens=512, jacobian_tokens=4, jacobian_probes=0, removal_documents=2,
                   out="runs/study_quick/report", runs_dir="runs/study_quick"),
 }

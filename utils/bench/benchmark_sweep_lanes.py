@@ -74,7 +74,7 @@ def measure(config: Path, lanes: int, threads: int, compiled: bool, args, out: P
     return sum(median_tokens_per_s(save_dir, args.warmup) for save_dir in dirs)
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", nargs="+", type=int, default=[64, 128])
     parser.add_argument("--layers", type=int, default=24)
@@ -87,6 +87,11 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=15, help="updates left out of the median (compilation)")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "benchmark_sweep_lanes")
     parser.add_argument("--quick", action="store_true", help="hidden 16, L = 2, 6 updates, the embedded corpus")
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
         args.hidden, args.layers, args.steps, args.warmup, args.dataset, args.vocab = [16], 2, 6, 2, "embedded", 8192
