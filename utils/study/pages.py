@@ -170,9 +170,13 @@ def depth_rival_verdicts(s: Summaries) -> dict[str, dict[int, dict]]:
     return found
 
 
-def rivals_answer(s: Summaries) -> str:
-    from utils.compare_norms import ARM_BY_NAME
+def label_of(summaries: list[dict], arm: str) -> str:
+    """An arm's label, as its verdict against LNS names it ("AttnRes (Block, 8 blocks) reaches ...")."""
+    verdict = next(s["per_arm_eval_loss"][arm]["lns"] for s in summaries if arm in s["per_arm_eval_loss"])
+    return verdict["claim"].split(" reaches a lower eval loss than ")[0]
 
+
+def rivals_answer(s: Summaries) -> str:
     short, long_ = s[RIVALS_SHORT], s[RIVALS_LONG]
     arms = [a for a in long_["per_arm_eval_loss"] if a not in ("pre", "lns")]
     arms += [a for a in short["per_arm_eval_loss"] if a not in ("pre", "lns") and a not in arms]
@@ -183,7 +187,7 @@ def rivals_answer(s: Summaries) -> str:
              + " | ".join(f"depth sweep, L = {d}" for d in depths) + " |", "|---" * (3 + len(depths)) + "|"]
     tally = Counter()
     for arm in arms:
-        label = ARM_BY_NAME[arm].label
+        label = label_of([long_, short], arm)
         cells = [against_lns(summary["per_arm_eval_loss"].get(arm, {}).get("lns")) for summary in (short, long_)]
         prefix = label.split(" (")[0].split(",")[0]
         cells += [against_lns(next((per[d] for name, per in deep.items() if name.startswith(prefix) and d in per),
