@@ -166,3 +166,21 @@ def test_the_chunked_loss_is_the_models_loss(monkeypatch):
         scale = grad.abs().max().item()
         torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-4, atol=1e-5 * scale,
                                    msg=lambda detail, name=name: f"{name}: {detail}")
+
+
+def test_the_compute_multiplier_queue_names_an_unknown_step_in_one_line():
+    proc = subprocess.run(["bash", "utils/launch/compute_multiplier.sh", "grid_9999"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "compute_multiplier.sh: unknown step 'grid_9999'; one of: plan all grid_2400 wide_grid wide_2400 attnres_2400 "
+        "seeds_5_6 budget_1200 wide_5000"]
+
+
+@pytest.mark.e2e
+def test_the_compute_multiplier_queue_plans_one_step_without_training(tmp_path):
+    """A step in plan mode prints its runs left as JSON and trains nothing."""
+    proc = subprocess.run(["bash", "utils/launch/compute_multiplier.sh", "plan"], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("== ") == 7 and '"left"' in proc.stdout
