@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from pathlib import Path
 
 from utils.study import records as record_store
@@ -176,7 +177,14 @@ def readme_findings(summaries, root: Path) -> str:
               f"both were trained on {_hosts(runs, ['attnres-seed1', 'mhc-seed1'])}, LNS on "
               f"{_hosts(runs, ['lns-seed1'])}. In the depth sweep at L = {deepest} Attention Residuals "
               f"{against(attnres_deep)} ({effect(attnres_deep)}).")
-    return "\n\n".join([train, compute, layers, newest])
+    return "\n\n".join(wrap(paragraph) for paragraph in (train, compute, layers, newest))
+
+
+def wrap(paragraph: str, width: int = 120) -> str:
+    """A rendered paragraph (or "- " bullet) at the repository's line width; markdown reads it the same."""
+    indent = "  " if paragraph.startswith("- ") else ""
+    return textwrap.fill(paragraph, width, subsequent_indent=indent, break_long_words=False,
+                         break_on_hyphens=False)
 
 
 def block(readme: str) -> str:

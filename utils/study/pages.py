@@ -18,7 +18,7 @@ from pathlib import Path
 from peft_pretraining.cli import OneLineErrorParser
 from utils.study import records as record_store
 from utils.study import registry
-from utils.study.findings import effect, number, seeds, word
+from utils.study.findings import effect, number, seeds, word, wrap
 from utils.study.results_table import rate_text
 from utils.study.runs import REPO
 
@@ -232,7 +232,13 @@ def rebuild_block(groups: tuple[str, ...]) -> str:
 
 def render(page: str, s: Summaries) -> dict[str, str]:
     spec = PAGES[page]
-    return dict(answer=spec["answer"](s), setup=spec["setup"](s), rebuild=rebuild_block(spec["rebuild"]))
+    return dict(answer=wrapped(spec["answer"](s)), setup=wrapped(spec["setup"](s)),
+                rebuild=rebuild_block(spec["rebuild"]))
+
+
+def wrapped(text: str) -> str:
+    """Each bullet or paragraph at the line width; table rows and blank lines as they are."""
+    return "\n".join(line if line.startswith("|") or not line else wrap(line) for line in text.split("\n"))
 
 
 def markers(name: str) -> tuple[str, str]:
