@@ -146,6 +146,11 @@ def rendered(summaries=None) -> str:
     return findings.readme_findings(summaries or results_table.Summaries(REPO), REPO)
 
 
+def one_line(text: str) -> str:
+    """Rendered text as one line (it is wrapped at 120 columns, and a phrase may wrap)."""
+    return " ".join(text.split())
+
+
 def test_the_readme_findings_are_what_the_summaries_give():
     assert findings.block(README.read_text()) == rendered(), "run python -m utils.study.results_table"
 
@@ -175,12 +180,12 @@ def test_the_findings_follow_their_intervals():
     """Move an interval across zero in a summary and the words change with it: AttnRes no longer beats LNS once its
     interval holds zero; the multiplier no longer grows with depth once its slope's interval holds zero."""
     summaries = results_table.Summaries(REPO)
-    text = rendered(summaries)
+    text = one_line(rendered(summaries))
     assert "Attention Residuals beats LNS" in text and "the multiplier grows with depth" in text
     summaries[results_table.STUDY_1500_RIVALS_2026]["per_arm_eval_loss"]["attnres"]["lns"]["high"] = 0.01
     trend = summaries["docs/compute_multiplier/multiplier.json"]["arms"]["lns"]["trends"]["2400"]["verdict"]
     trend["low"] = -0.01
-    text = rendered(summaries)
+    text = one_line(rendered(summaries))
     assert "Attention Residuals is not shown to differ from LNS (−0.063 [−0.12, +0.010]" in text
     assert "grows with depth" not in text and "Attention Residuals beats" not in text
 
