@@ -62,9 +62,9 @@ def test_an_arm_that_reaches_pre_ln_s_loss_at_half_the_updates_is_worth_two(tmp_
     assert json.loads((tmp_path / "out" / "multiplier.json").read_text())["arms"]["lns"]["label"] == "LNS"
 
 
-def test_folders_of_two_rates_are_refused(tmp_path):
+def test_folders_that_give_an_arm_two_rates_at_one_budget_are_refused_in_one_line(tmp_path):
     write_run(tmp_path / "a", 6, "pre", 1, 1000, 5.0)
-    write_run(tmp_path / "b", 6, "pre", 1, 2000, 4.9, rate="0.004")
+    write_run(tmp_path / "b", 6, "pre", 2, 1000, 4.9, rate="0.004")
     with pytest.raises(SystemExit) as stopped:
         multiplier.main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "out")])
     assert stopped.value.code == 2
@@ -100,3 +100,23 @@ def test_each_committed_match_lies_on_pre_ln_s_curve():
             assert on_curve == pytest.approx(losses["lns"][depth][seed][updates], abs=1e-9)
             checked += 1
     assert checked >= 10
+
+
+def test_each_arm_at_its_own_rate_reads_the_arms_from_their_own_folders(tmp_path):
+    """--arm_folders: Pre-LN's curve from the folders (its rate), LNS from other folders (its own rate); folders
+    that give one arm two rates at one budget are refused."""
+    for rate, worth in (("0.002", 1.5), ("0.004", 3.0)):
+        for updates in (1000, 2000, 4000, 8000):
+            for seed, offset in ((1, 0.0), (2, 0.01), (3, 0.02)):
+                folder = tmp_path / f"lr{rate}_{updates}"
+                write_run(folder, 6, "pre", seed, updates, curve(updates), rate=rate)
+                write_run(folder, 6, "lns", seed, updates, curve(worth * updates) + offset, rate=rate)
+    shared = [tmp_path / f"lr0.002_{u}" for u in (1000, 2000, 4000, 8000)]
+    own = [tmp_path / f"lr0.004_{u}" for u in (1000, 2000)]
+    summary = multiplier.write(shared, tmp_path / "out", ["(test)"], vocab=4096, arm_folders=own)
+    rows = summary["arms"]["lns"]["by_budget"]["1000"]
+    assert rows[0]["geomean"] == pytest.approx(3.0, rel=0.05)  # LNS at 4e-3 against Pre-LN at 2e-3
+    assert summary["settings"]["rates"] == {"lns": {1000: 0.004, 2000: 0.004},
+                                            "pre": {1000: 0.002, 2000: 0.002, 4000: 0.002, 8000: 0.002}}
+    with pytest.raises(ValueError, match="give one rate per arm and budget"):
+        multiplier.write([*shared, *own], tmp_path / "out", ["(test)"], vocab=4096)

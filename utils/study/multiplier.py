@@ -32,6 +32,7 @@ from peft_pretraining.cli import OneLineErrorParser
 from utils.study import lr_grid, verdicts
 from utils.study import records as record_store
 from utils.study.plots import pyplot, save_figure
+from utils.study.results_table import rate_text
 from utils.study.runs import REPO
 from utils.study.sweep import BASE_CONFIG, slope_by_seed, slope_verdict
 
@@ -81,10 +82,11 @@ def updates_to_reach(points: dict[int, float], target: float) -> tuple[float | N
 
 
 # ------------------------------------------------------------------------------------------- the records
-def read_sweep(folders: list[Path]) -> tuple[dict, dict]:
-    """({norm: {depth: {seed: {updates: final eval loss}}}}, the map's settings: batch, length, hidden, rate).
-    Finished runs only; ValueError, naming the file, for a folder of another rate or sweep."""
-    losses, settings = {}, None
+def read_sweep(folders: list[Path], norms: set[str] | None = None) -> tuple[dict, dict]:
+    """({norm: {depth: {seed: {updates: final eval loss}}}}, the settings: batch, length, hidden and the rates as
+    {norm: {updates: rate}}), for the finished runs of `norms` (default every arm). ValueError, naming the file, for
+    a record of another sweep (batch, length or width), or a second rate for one arm at one budget."""
+    losses, settings, rates = {}, None, {}
     for folder in folders:
         paths = record_store.paths_in(folder / "runs")
         if not paths:
@@ -92,20 +94,49 @@ def read_sweep(folders: list[Path]) -> tuple[dict, dict]:
         for path in paths:
             record = record_store.read(path)
             match = lr_grid.ARM.fullmatch(record.get("arm", ""))
-            if match is None or record.get("status") != "finished":
+            if match is None or record.get("status") != "finished" or (norms and match[2] not in norms):
                 continue
             run = record_store.fields(record)
-            shape = dict(batch=run.batch, length=run.length, rate=run.rate, hidden=run.hidden)
+            shape = dict(batch=run.batch, length=run.length, hidden=run.hidden)
             if settings is None:
                 settings, first = shape, path
             elif shape != settings:
-                raise ValueError(f"{path}: trained at {shape}, {first} at {settings}; one sweep at one rate")
+                raise ValueError(f"{path}: trained at {shape}, {first} at {settings}; one sweep")
             depth, norm = int(match[1]), match[2]
+            if rates.setdefault(norm, {}).setdefault(run.updates, run.rate) != run.rate:
+                raise ValueError(f"{path}: {norm} at {run.updates:,} updates trained at lr {run.rate:g} and at "
+                                 f"{rates[norm][run.updates]:g}; give one rate per arm and budget")
             losses.setdefault(norm, {}).setdefault(depth, {}).setdefault(record["seed"], {})[
                 run.updates] = record["final_eval_loss"]
-    if REFERENCE not in (losses or {}):
+    if REFERENCE not in (losses or {}) and norms != set(losses) - {REFERENCE}:
         raise ValueError(f"{', '.join(map(str, folders))}: no finished Pre-LN run to measure against")
-    return losses, settings
+    return losses, dict(settings or {}, rates={norm: dict(sorted(r.items())) for norm, r in sorted(rates.items())})
+
+
+def read(folders: list[Path], arm_folders: list[Path]) -> tuple[dict, dict]:
+    """Every arm from `folders`; or, with `arm_folders`, Pre-LN's curve from `folders` and the other arms from
+    `arm_folders` (each arm at its own rate). ValueError where the two are not one sweep."""
+    if not arm_folders:
+        return read_sweep(folders)
+    reference, settings = read_sweep(folders, {REFERENCE})
+    arms, arm_settings = read_sweep(arm_folders, None)
+    arms.pop(REFERENCE, None)
+    arm_settings["rates"].pop(REFERENCE, None)
+    if {k: v for k, v in settings.items() if k != "rates"} != {k: v for k, v in arm_settings.items() if k != "rates"}:
+        raise ValueError(f"--arm_folders: another sweep than the folders' ({arm_settings} against {settings})")
+    if REFERENCE not in reference:
+        raise ValueError(f"{', '.join(map(str, folders))}: no finished Pre-LN run to measure against")
+    return {**reference, **arms}, dict(settings, rates={**settings["rates"], **arm_settings["rates"]})
+
+
+def rates_text(rates: dict[str, dict[int, float]]) -> str:
+    """"lr 2e-3 for every arm", or each arm's rate per budget where they differ."""
+    every = {rate for per in rates.values() for rate in per.values()}
+    if len(every) == 1:
+        return f"lr {rate_text(every.pop())} for every arm"
+    return "; ".join(f"{ARM_LABELS.get(norm, 'Pre-LN' if norm == REFERENCE else norm)} at "
+                     + ", ".join(f"lr {rate_text(rate)} ({updates:,} updates)" for updates, rate in per.items())
+                     for norm, per in rates.items())
 
 
 def parameters(hidden: int, depth: int, vocab: int) -> int:
@@ -273,15 +304,15 @@ def table_lines(summary: dict) -> list[str]:
     return lines
 
 
-def write(folders: list[Path], out: Path, argv: list[str], vocab: int) -> dict:
-    losses, settings = read_sweep(folders)
+def write(folders: list[Path], out: Path, argv: list[str], vocab: int, arm_folders: list[Path] = ()) -> dict:
+    losses, settings = read(folders, list(arm_folders))
     arms = [arm for arm in losses if arm != REFERENCE]
     summaries = {arm: summarise(losses, settings, arm, vocab) for arm in arms}
     out.mkdir(parents=True, exist_ok=True)
     png = plot(summaries, out / "multiplier.png")
     text = ["# What LNS is worth in compute: the updates Pre-LN needs to match it", "",
-            f"Generated by `python -m utils.study.multiplier {' '.join(argv)}`. Hidden {settings['hidden']}, lr "
-            f"{settings['rate']:g} for both arms, {settings['batch']} × {settings['length']} tokens an update, each "
+            f"Generated by `python -m utils.study.multiplier {' '.join(argv)}`. Hidden {settings['hidden']}, "
+            f"{rates_text(settings['rates'])}, {settings['batch']} × {settings['length']} tokens an update, each "
             "budget a finished run (warmup 10% and the cosine scaled to it).", "",
             "A cell is the updates Pre-LN needs to reach the arm's final eval loss, over the arm's own updates: the "
             "geometric mean over seeds with its 95% t interval (on the log, paired by seed) and the seed count. "
@@ -318,7 +349,11 @@ def write(folders: list[Path], out: Path, argv: list[str], vocab: int) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog="python -m utils.study.multiplier", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("folders", nargs="+", type=Path, help="depth-sweep report folders: one sweep, one rate")
+    parser.add_argument("folders", nargs="+", type=Path,
+                        help="depth-sweep report folders of one sweep at several budgets, one rate per arm and budget")
+    parser.add_argument("--arm_folders", nargs="*", type=Path, default=[],
+                        help="the other arms' records from these folders instead (each arm at its own best rate); "
+                             "Pre-LN's curve still comes from the folders")
     parser.add_argument("--vocab", type=int, default=4096, help="the tokenizer's vocabulary (Wikipedia: 4096)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where multiplier.md/.json/.csv/.png go")
     return parser
@@ -328,11 +363,11 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parser.parse_args(argv)
-    for folder in args.folders:
+    for folder in [*args.folders, *args.arm_folders]:
         if not (folder / "runs").is_dir():
             parser.error(f"folders: {folder} has no runs/ folder of records")
     try:
-        write(args.folders, args.out, argv, args.vocab)
+        write(args.folders, args.out, argv, args.vocab, args.arm_folders)
     except ValueError as error:
         parser.error(str(error))
     print(args.out / "multiplier.md")
