@@ -187,15 +187,24 @@ def wrap(paragraph: str, width: int = 120) -> str:
                          break_on_hyphens=False)
 
 
+def between(text: str, start: str, end: str) -> str:
+    """The text between two markers; ValueError naming them where either is missing."""
+    if start not in text or end not in text:
+        raise ValueError(f"no {start} ... {end} markers")
+    return text.split(start, 1)[1].split(end, 1)[0].strip("\n")
+
+
+def replace_between(text: str, start: str, end: str, body: str) -> str:
+    before, rest = text.split(start, 1)
+    return f"{before}{start}\n{body}\n{end}{rest.split(end, 1)[1]}"
+
+
 def block(readme: str) -> str:
-    if START not in readme or END not in readme:
-        raise ValueError(f"README.md has no {START} ... {END} markers")
-    return readme.split(START, 1)[1].split(END, 1)[0].strip("\n")
+    return between(readme, START, END)
 
 
 def with_block(readme: str, text: str) -> str:
-    before, rest = readme.split(START, 1)
-    return f"{before}{START}\n{text}\n{END}{rest.split(END, 1)[1]}"
+    return replace_between(readme, START, END, text)
 
 
 def words_in(text: str) -> int:

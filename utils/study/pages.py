@@ -18,7 +18,7 @@ from pathlib import Path
 from peft_pretraining.cli import OneLineErrorParser
 from utils.study import records as record_store
 from utils.study import registry
-from utils.study.findings import effect, number, seeds, word, wrap
+from utils.study.findings import between, effect, number, replace_between, seeds, word, wrap
 from utils.study.results_table import rate_text
 from utils.study.runs import REPO
 
@@ -246,16 +246,11 @@ def markers(name: str) -> tuple[str, str]:
 
 
 def block_of(text: str, name: str) -> str:
-    start, end = markers(name)
-    if start not in text or end not in text:
-        raise ValueError(f"no {start} ... {end} markers")
-    return text.split(start, 1)[1].split(end, 1)[0].strip("\n")
+    return between(text, *markers(name))
 
 
 def with_block(text: str, name: str, body: str) -> str:
-    start, end = markers(name)
-    before, rest = text.split(start, 1)
-    return f"{before}{start}\n{body}\n{end}{rest.split(end, 1)[1]}"
+    return replace_between(text, *markers(name), body)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -194,14 +194,11 @@ def build_table(root: Path = REPO) -> str:
 
 def readme_table(readme: str) -> str:
     """The text between the README's table markers."""
-    if START not in readme or END not in readme:
-        raise ValueError(f"README.md has no {START} ... {END} markers")
-    return readme.split(START, 1)[1].split(END, 1)[0].strip("\n")
+    return findings.between(readme, START, END)
 
 
 def with_table(readme: str, table: str) -> str:
-    before, rest = readme.split(START, 1)
-    return f"{before}{START}\n{table}\n{END}{rest.split(END, 1)[1]}"
+    return findings.replace_between(readme, START, END, table)
 
 
 def build_parser() -> argparse.ArgumentParser:
