@@ -85,8 +85,9 @@ def read_if_present(path: Path | None) -> dict | None:
 
 @dataclasses.dataclass(frozen=True)
 class RunFields:
-    """What a run trained, as typed fields: the one place a record's trainer flags are read (issue 80). A record
-    written since keeps them under "run"; an older one has them derived from its flags, here, once."""
+    """What a run trained, as typed fields: the one place a record's trainer flags are read (issue 80). The flags
+    stay the record's one source (the trainer's own command line, so that a run is reproduced from it); every
+    reader takes its fields from here."""
     norm: str | None  # None: a flag the record's command line left out
     seed: int | None
     rate: float | None
@@ -125,8 +126,8 @@ def derive_fields(flags: list[str]) -> RunFields:
 
 
 def fields(record: dict) -> RunFields:
-    """A record's RunFields: stored, or derived once from its flags."""
-    return RunFields(**record["run"]) if "run" in record else derive_fields(record["flags"])
+    """A record's RunFields, from its flags (a record made before them had none: every field None but the defaults)."""
+    return derive_fields(record.get("flags") or [])
 
 
 def setup_key(record: dict, varying: tuple[str, ...]) -> tuple:

@@ -179,7 +179,7 @@ def recorded_settings(record: dict) -> dict | None:
 
 def record_device(record: dict) -> str:
     """Where a record's run trained: its trainer --device (a record without one was made on the CPU)."""
-    return record_store.fields(dict(record, flags=record.get("flags") or [])).device
+    return record_store.fields(record).device
 
 
 def checkpointed_steps(record: dict, spec: RunSpec) -> list[int]:
@@ -236,7 +236,6 @@ def run_job(spec: RunSpec, settings: AnalysisSettings, runs_dir: Path, records_d
     analyses = analyse_run(run_dir, steps, settings, log_dir / f"{spec.name}.analyse.log", env) if steps else {}
 
     record = dict(version=RECORD_VERSION, arm=spec.arm, seed=spec.seed, flags=spec.flags(),
-                  run=dataclasses.asdict(record_store.derive_fields(list(spec.flags()))),  # read back typed
                   analysis_settings=dataclasses.asdict(settings), status=results["status"],
                   last_step=int(results["step"]), final_eval_loss=results.get("final_eval_loss"),
                   diverged_reason=results.get("diverged_reason"), tokens_seen=results.get("tokens_seen"),
