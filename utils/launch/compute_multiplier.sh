@@ -12,7 +12,7 @@
 # Run it from a worktree frozen at a commit (git worktree add --detach ../sweep HEAD), so that edits to the checkout
 # you work in never reach a running sweep, then copy the records (docs/*/runs/*.json.gz) back and rebuild with
 # `python -m utils.study report all`. The steps:
-#   grid_2400      the 2,400-update rate grid at L = 6 and 24, seed 1, both arms: 1e-3, 4e-3, 8e-3 and 2e-3 again
+#   grid_2400      the 2,400-update rate grid at L = 6 and 24, seed 1, both arms: 4e-3, 8e-3, 2e-3 again and 1e-3
 #                  (its committed seed-1 checkpoints are gone, and the selection text needs them); each rate's
 #                  records get their selection loss (utils/study/rate_choice.py)
 #   wide_grid      hidden 128 at 2,400 updates: the small rate grid at seed 1, L = 12 and 6 (2e-3, 4e-3, 1e-3)
@@ -46,12 +46,14 @@ with_selection() {  # a sweep, then the selection loss of every finished run it 
     python -m utils.study.rate_choice evaluate "$out" --runs_dir "$runs"
 }
 
-grid_2400() {
-    for rate in 4e-3 1e-3 8e-3; do
+grid_2400() {  # 4e-3 beat 2e-3 for both arms at L = 24 (seed 1), so 8e-3 comes before 2e-3 and 1e-3
+    for rate in 4e-3 8e-3; do
         with_selection --budget wikipedia_2400 --lr "$rate" --depths 6 24 --first_depths 24 --seeds 1 || return
     done
     with_selection --budget wikipedia_2400 --lr 2e-3 --depths 6 24 --first_depths 24 --seeds 1 \
-        --out docs/depth_sweep_wikipedia_2400_lr0.002_avx2 --runs_dir runs/depth_sweep_wikipedia_2400_lr0.002_avx2
+        --out docs/depth_sweep_wikipedia_2400_lr0.002_avx2 --runs_dir runs/depth_sweep_wikipedia_2400_lr0.002_avx2 \
+        || return
+    with_selection --budget wikipedia_2400 --lr 1e-3 --depths 6 24 --first_depths 24 --seeds 1
 }
 wide_grid() {
     for rate in 2e-3 4e-3 1e-3; do

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from utils.study import records as record_store
 from utils.study import verdicts
+from utils.study.host import cpu_of
 
 REPRODUCED, OPPOSITE, NOT_SHOWN, NOT_MEASURABLE = "reproduced", "opposite", "not shown", "not measurable"
 START, END = "<!-- findings:start -->", "<!-- findings:end -->"
@@ -96,11 +97,7 @@ def _pays(slopes: dict) -> str:
 
 def _hosts(folder: Path, runs: list[str]) -> str:
     """The CPU models the runs were trained on, as their records name them."""
-    names = set()
-    for run in runs:
-        machine = record_store.read(record_store.find(folder, run)).get("machine") or "an unrecorded host"
-        names.add((machine.split(", ")[1] if ", " in machine else machine).replace("(R)", ""))
-    return " and ".join(sorted(names))
+    return " and ".join(sorted({cpu_of(record_store.read(record_store.find(folder, run))) for run in runs}))
 
 
 def readme_findings(summaries, root: Path) -> str:

@@ -54,3 +54,10 @@ def machine_description(device: str = "cpu") -> str:
     import torch
 
     return f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda}) on {host}"
+
+
+def cpu_of(record: dict) -> str:
+    """The CPU model a record names ("AMD EPYC", "Intel Xeon Processor"), or that it names none."""
+    machine = (record.get("machine") or "an unrecorded host").split(", ")
+    return (machine[1] if len(machine) > 1 else machine[0]).replace("(R)", "")
+

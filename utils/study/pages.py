@@ -19,6 +19,7 @@ from peft_pretraining.cli import OneLineErrorParser
 from utils.study import records as record_store
 from utils.study import registry
 from utils.study.findings import between, effect, number, replace_between, seeds, word, wrap
+from utils.study.host import cpu_of
 from utils.study.results_table import rate_text
 from utils.study.runs import REPO
 
@@ -53,10 +54,8 @@ def hosts(folders: list[str], root: Path) -> str:
     for folder in folders:
         for path in record_store.paths_in(root / folder / "runs"):
             record = record_store.read(path)
-            machine = (record.get("machine") or "an unrecorded host").split(", ")
-            cpu = (machine[1] if len(machine) > 1 else machine[0]).replace("(R)", "")
             run = record_store.fields(record)
-            found[f"{cpu}, {run.dtype}{', compiled' if run.compiled else ', eager'}"] += 1
+            found[f"{cpu_of(record)}, {run.dtype}{', compiled' if run.compiled else ', eager'}"] += 1
     return "; ".join(f"{what} ({n} runs)" for what, n in found.most_common())
 
 
