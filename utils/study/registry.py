@@ -51,6 +51,8 @@ WIDTH = "the width sweep"
 WIKIPEDIA = "the Wikipedia depth sweep: the pilot, its learning-rate grid, the 3-seed sweep"
 BUDGET_MAP = ("the budget x depth map: the 2,400- and 5,000-update budgets, then the map over them and the "
               "10,500-update sweep, with the latter's learning-rate grid, and what LNS is worth in compute there")
+MULTIPLIER = ("what LNS is worth in compute (issue 79): the 2,400-update rate grid at seed 1, L = 6 and 24, each run's "
+              "selection loss on text no verdict reads")
 SECOND_HOST = "the float32 depth sweep and long study trained again on an AVX2 host, and what survived the change"
 
 WIKIPEDIA_PILOT = "python utils/depth_sweep.py --budget wikipedia_pilot --dtype float32 --no-compile"
@@ -109,6 +111,8 @@ STUDIES = (
     Study("compute_multiplier", "python -m utils.study.multiplier docs/depth_sweep_wikipedia_2400_lr0.002 "
           "docs/depth_sweep_wikipedia_5000_lr0.002 docs/depth_sweep_wikipedia_lr0.002",
           "docs/compute_multiplier/multiplier.md", BUDGET_MAP, derived=True),
+    Study("wikipedia_2400_lr4e-3", "python utils/depth_sweep.py --budget wikipedia_2400 --dtype float32 --no-compile "
+          "--lr 4e-3 --depths 6 24 --seeds 1", "docs/depth_sweep_wikipedia_2400_lr0.004/report.md", MULTIPLIER),
     Study("depth_sweep_avx2", "python utils/depth_sweep.py --dtype float32 --no-compile --out docs/depth_sweep_avx2",
           "docs/depth_sweep_avx2/report.md", SECOND_HOST),
     Study("depth_sweep_replication", "python -m utils.study.replicate docs/depth_sweep docs/depth_sweep_avx2",
