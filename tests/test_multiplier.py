@@ -28,7 +28,7 @@ def test_a_loss_between_budgets_is_interpolated_in_log_updates():
 
 def test_beyond_the_budgets_the_fitted_curve_recovers_a_power_law():
     points = {n: curve(n) for n in (1000, 2000, 4000)}
-    assert multiplier.fit_power_law(points) == pytest.approx((A, B, C), rel=0.02)
+    assert multiplier.fit_power_law(points, 4000) == pytest.approx((A, B, C), rel=0.02)
     needed, how = multiplier.updates_to_reach(points, curve(9000))
     assert how == "extrapolated" and needed == pytest.approx(9000, rel=0.05)
     needed, how = multiplier.updates_to_reach(points, curve(500))  # above the smallest budget's loss
@@ -37,6 +37,16 @@ def test_beyond_the_budgets_the_fitted_curve_recovers_a_power_law():
     assert needed is None and "floor" in how
     needed, how = multiplier.updates_to_reach({1000: curve(1000), 2000: curve(2000)}, curve(9000))
     assert needed is None and "fewer than 3" in how
+
+
+def test_a_curve_without_curvature_is_extrapolated_as_a_line_in_log_updates():
+    """Losses falling linearly in ln n leave the power law's exponent at its grid's edge: the extrapolation is the
+    line through the last two budgets, and it leaves from Pre-LN's last point exactly."""
+    points = {n: 6.0 - 0.1 * math.log(n) for n in (1000, 2000, 4000)}
+    needed, how = multiplier.updates_to_reach(points, 6.0 - 0.1 * math.log(16000))
+    assert how == "extrapolated" and needed == pytest.approx(16000, rel=1e-6)
+    needed, how = multiplier.updates_to_reach(points, points[4000] - 1e-9)  # just past the last budget
+    assert needed == pytest.approx(4000, rel=1e-4) and needed > 4000
 
 
 def test_an_arm_that_reaches_pre_ln_s_loss_at_half_the_updates_is_worth_two(tmp_path):
@@ -113,6 +123,9 @@ def test_each_arm_at_its_own_rate_reads_the_arms_from_their_own_folders(tmp_path
                 write_run(folder, 6, "lns", seed, updates, curve(worth * updates) + offset, rate=rate)
     shared = [tmp_path / f"lr0.002_{u}" for u in (1000, 2000, 4000, 8000)]
     own = [tmp_path / f"lr0.004_{u}" for u in (1000, 2000)]
+    for folder in own:  # an arm's folder need not hold Pre-LN at all
+        for path in (folder / "runs").glob("*-pre-*"):
+            path.unlink()
     summary = multiplier.write(shared, tmp_path / "out", ["(test)"], vocab=4096, arm_folders=own)
     rows = summary["arms"]["lns"]["by_budget"]["1000"]
     assert rows[0]["geomean"] == pytest.approx(3.0, rel=0.05)  # LNS at 4e-3 against Pre-LN at 2e-3

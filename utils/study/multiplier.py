@@ -31,6 +31,7 @@ import numpy as np
 from peft_pretraining.cli import OneLineErrorParser
 from utils.study import lr_grid, verdicts
 from utils.study import records as record_store
+from utils.study.budget_map import at_every_depth
 from utils.study.plots import pyplot, save_figure
 from utils.study.results_table import rate_text
 from utils.study.runs import REPO
@@ -38,44 +39,57 @@ from utils.study.sweep import BASE_CONFIG, slope_by_seed, slope_verdict
 
 DEFAULT_OUT = REPO / "docs/compute_multiplier"
 REFERENCE = "pre"
-ARM_LABELS = {"lns": "LNS", "attnres": "Attention Residuals", "mhc": "mHC", "siamese": "SiameseNorm",
+ARM_LABELS = {"pre": "Pre-LN", "lns": "LNS", "attnres": "Attention Residuals", "mhc": "mHC", "siamese": "SiameseNorm",
               "gpas": "GPAS", "bhyt": "BHyT"}
 EXPONENTS = np.geomspace(0.02, 4.0, 400)  # the fit's c, searched on a grid (a, b by least squares at each)
 
 
 # ------------------------------------------------------------------------------------------- Pre-LN's curve
-def fit_power_law(points: dict[int, float]) -> tuple[float, float, float] | None:
-    """(a, b, c) of loss = a + b * n^-c, b > 0, least squares over the points; None with fewer than 3 points or no
-    decreasing fit."""
+def fit_power_law(points: dict[int, float], anchor: int) -> tuple[float, float, float] | None:
+    """(a, b, c) of loss = a + b * n^-c, b > 0, through the point at budget `anchor` exactly (the end of the curve
+    that the extrapolation leaves from) and least squares over the others; None with fewer than 3 points or no
+    falling fit. c is searched on EXPONENTS; a c at its lower edge is a loss falling linearly in ln n, the limit
+    `updates_to_reach` then uses instead."""
     if len(points) < 3:
         return None
     n = np.array(sorted(points), dtype=float)
     loss = np.array([points[k] for k in sorted(points)])
     best = None
     for c in EXPONENTS:
-        design = np.stack([np.ones_like(n), n ** -c], axis=1)
-        (a, b), *_ = np.linalg.lstsq(design, loss, rcond=None)
-        error = float(np.sum((design @ [a, b] - loss) ** 2))
+        x = n ** -c - anchor ** -c  # loss - loss(anchor) = b * x
+        b = float(x @ (loss - points[anchor]) / (x @ x))
+        error = float(np.sum((b * x - (loss - points[anchor])) ** 2))
         if b > 0 and (best is None or error < best[0]):
-            best = (error, float(a), float(b), float(c))
+            best = (error, points[anchor] - b * anchor ** -c, b, float(c))
     return None if best is None else best[1:]
+
+
+def log_linear_updates(points: dict[int, float], ends: tuple[int, int], target: float) -> float | None:
+    """Where the line through two budgets' losses, in ln updates, reaches `target` (None if it does not fall)."""
+    low, high = ends
+    slope = (points[high] - points[low]) / (math.log(high) - math.log(low))
+    return None if slope >= 0 else math.exp(math.log(high) + (target - points[high]) / slope)
 
 
 def updates_to_reach(points: dict[int, float], target: float) -> tuple[float | None, str]:
     """(updates, how) at which Pre-LN's curve of finished runs {updates: final eval loss} reaches `target`: how is
-    "interpolated" (linear in ln updates between two budgets), "extrapolated" (the fitted power law, outside the
-    budgets), or why there is none."""
+    "interpolated" (linear in ln updates between two budgets), "extrapolated" (beyond the budgets: the power law
+    through the nearer end budget, or, where the fit finds no curvature, the line in ln updates through the two
+    nearest budgets), or why there is none."""
     budgets = sorted(points)
     for low, high in zip(budgets, budgets[1:]):
         if points[low] >= target >= points[high] and points[low] > points[high]:
             fraction = (points[low] - target) / (points[low] - points[high])
             return math.exp(math.log(low) + fraction * (math.log(high) - math.log(low))), "interpolated"
-    if len(budgets) == 1 and points[budgets[0]] == target:
-        return float(budgets[0]), "interpolated"
-    fit = fit_power_law(points)
+    beyond = target < points[budgets[-1]]
+    anchor = budgets[-1] if beyond else budgets[0]
+    fit = fit_power_law(points, anchor)
     if fit is None:
         return None, f"outside Pre-LN's {len(budgets)} budget(s) and fewer than 3 to fit a curve"
     a, b, c = fit
+    if c == EXPONENTS[0]:
+        needed = log_linear_updates(points, tuple(budgets[-2:]) if beyond else tuple(budgets[:2]), target)
+        return (needed, "extrapolated") if needed else (None, "Pre-LN's curve does not fall at its end")
     if target <= a:
         return None, f"below the floor of Pre-LN's fitted curve ({a:.3f})"
     return (b / (target - a)) ** (1 / c), "extrapolated"
@@ -108,25 +122,25 @@ def read_sweep(folders: list[Path], norms: set[str] | None = None) -> tuple[dict
                                  f"{rates[norm][run.updates]:g}; give one rate per arm and budget")
             losses.setdefault(norm, {}).setdefault(depth, {}).setdefault(record["seed"], {})[
                 run.updates] = record["final_eval_loss"]
-    if REFERENCE not in (losses or {}) and norms != set(losses) - {REFERENCE}:
-        raise ValueError(f"{', '.join(map(str, folders))}: no finished Pre-LN run to measure against")
     return losses, dict(settings or {}, rates={norm: dict(sorted(r.items())) for norm, r in sorted(rates.items())})
 
 
 def read(folders: list[Path], arm_folders: list[Path]) -> tuple[dict, dict]:
     """Every arm from `folders`; or, with `arm_folders`, Pre-LN's curve from `folders` and the other arms from
-    `arm_folders` (each arm at its own rate). ValueError where the two are not one sweep."""
-    if not arm_folders:
-        return read_sweep(folders)
-    reference, settings = read_sweep(folders, {REFERENCE})
-    arms, arm_settings = read_sweep(arm_folders, None)
-    arms.pop(REFERENCE, None)
-    arm_settings["rates"].pop(REFERENCE, None)
-    if {k: v for k, v in settings.items() if k != "rates"} != {k: v for k, v in arm_settings.items() if k != "rates"}:
-        raise ValueError(f"--arm_folders: another sweep than the folders' ({arm_settings} against {settings})")
-    if REFERENCE not in reference:
+    `arm_folders` (each arm at its own rate). ValueError where the two are not one sweep, or Pre-LN has no run."""
+    losses, settings = read_sweep(folders, {REFERENCE} if arm_folders else None)
+    if arm_folders:
+        arms, arm_settings = read_sweep(arm_folders)
+        arms.pop(REFERENCE, None)
+        arm_settings["rates"].pop(REFERENCE, None)
+        shape, arm_shape = ({k: v for k, v in x.items() if k != "rates"} for x in (settings, arm_settings))
+        if shape and arm_shape and shape != arm_shape:
+            raise ValueError(f"--arm_folders: another sweep than the folders' ({arm_shape} against {shape})")
+        losses = {**losses, **arms}
+        settings = dict(settings, rates={**settings["rates"], **arm_settings["rates"]})
+    if REFERENCE not in losses:
         raise ValueError(f"{', '.join(map(str, folders))}: no finished Pre-LN run to measure against")
-    return {**reference, **arms}, dict(settings, rates={**settings["rates"], **arm_settings["rates"]})
+    return losses, settings
 
 
 def rates_text(rates: dict[str, dict[int, float]]) -> str:
@@ -134,7 +148,7 @@ def rates_text(rates: dict[str, dict[int, float]]) -> str:
     every = {rate for per in rates.values() for rate in per.values()}
     if len(every) == 1:
         return f"lr {rate_text(every.pop())} for every arm"
-    return "; ".join(f"{ARM_LABELS.get(norm, 'Pre-LN' if norm == REFERENCE else norm)} at "
+    return "; ".join(f"{ARM_LABELS.get(norm, norm)} at "
                      + ", ".join(f"lr {rate_text(rate)} ({updates:,} updates)" for updates, rate in per.items())
                      for norm, per in rates.items())
 
@@ -178,10 +192,9 @@ def depth_trend(table: dict[tuple[int, int], dict[int, dict]], updates: int, lab
                     and any(v["multiplier"] for v in table[(u, d)].values()))  # a depth with no match has no say
     if len(depths) < 2:
         return None
-    per_depth = {d: {s: (math.log(v["multiplier"]) if v["multiplier"] else None)
-                     for s, v in table[(updates, d)].items()} for d in depths}
-    shared = set.intersection(*(set(p) for p in per_depth.values()))
-    slopes = slope_by_seed({d: {s: v for s, v in p.items() if s in shared} for d, p in per_depth.items()}, False)
+    per_depth = {d: {s: math.log(v["multiplier"]) for s, v in table[(updates, d)].items() if v["multiplier"]}
+                 for d in depths}
+    slopes = slope_by_seed(at_every_depth(per_depth), False)
     return slope_verdict(f"{updates:,} updates: {label}'s multiplier grows with depth (slope of ln multiplier vs "
                          f"ln L, L = {', '.join(map(str, depths))})", +1, slopes)
 
