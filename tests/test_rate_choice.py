@@ -19,7 +19,7 @@ def test_the_selection_rows_are_the_validation_rows_after_the_eval_set():
 
 
 def write_run(folder, norm, rate, seed, loss, depth=24):
-    flags = ["--max_length", "128", "--lr", f"{rate:g}", "--seed", str(seed)]
+    flags = ["--max_length", "128", "--lr", f"{rate:g}", "--seed", str(seed), "--norm_type", norm]
     record = dict(arm=f"L{depth}-{norm}", seed=seed, flags=flags, status="finished", last_step=2400)
     if loss is not None:
         record["selection"] = dict(first_row=rate_choice.FIRST_ROW, rows=rate_choice.ROWS, tokens=130048, loss=loss)
@@ -51,3 +51,19 @@ def test_evaluate_keeps_a_measured_record_and_names_a_missing_checkpoint(tmp_pat
     write_run(tmp_path / "report", "lns", 2e-3, 1, None)
     with pytest.raises(SystemExit, match="L24-lns-seed1/model_2400 is missing"):
         rate_choice.evaluate_folder(tmp_path / "report", tmp_path / "runs")
+
+
+def test_folders_of_two_budgets_are_not_one_grid(tmp_path):
+    write_run(tmp_path / "a", "pre", 2e-3, 1, 5.2)
+    write_run(tmp_path / "b", "pre", 4e-3, 1, 5.1)
+    other = records.read(records.find(tmp_path / "b" / "runs", "L24-pre-seed1"))
+    other["flags"][other["flags"].index("--max_length") + 1] = "256"
+    records.write(tmp_path / "b" / "runs", "L24-pre-seed1", other)
+    with pytest.raises(ValueError, match="not one budget's grid"):
+        rate_choice.choose([tmp_path / "a", tmp_path / "b"])
+
+
+def test_evaluate_reads_only_the_arms_it_is_given(tmp_path):
+    write_run(tmp_path / "report", "pre", 2e-3, 1, None)  # an older arm whose checkpoint is gone
+    write_run(tmp_path / "report", "lns", 2e-3, 1, 5.0)
+    assert rate_choice.evaluate_folder(tmp_path / "report", tmp_path / "runs", ["lns"]) == ["L24-lns-seed1: kept"]

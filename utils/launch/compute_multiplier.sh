@@ -17,7 +17,7 @@
 #                  records get their selection loss (utils/study/rate_choice.py)
 #   wide_grid      hidden 128 at 2,400 updates: the small rate grid at seed 1, L = 12 and 6 (2e-3, 4e-3, 1e-3)
 #   wide_2400      hidden 128 at 2,400 updates, L = 6, 12, 24, seeds 1-3, both arms, at WIDE_RATE (default 2e-3)
-#   attnres_2400   Attention Residuals at 2,400 updates: its grid at seed 1, L = 24, then L = 6, 12, 24, seeds 1-3
+#   attnres_2400   Attention Residuals at 2,400 updates: its grid at seed 1, L = 6 and 24, then L = 6, 12, 24, seeds 1-3
 #                  at ATTNRES_RATE (default 2e-3)
 #   seeds_5_6      seeds 5 and 6 at every cell of the hidden-64 map at 2e-3 (seed 4 is kept aside)
 #   budget_1200    1,200 updates, L = 6, 12, 24, 48, seeds 1-3, both arms, at 2e-3
@@ -31,19 +31,22 @@ WIDE_RATE=${WIDE_RATE:-2e-3}
 ATTNRES_RATE=${ATTNRES_RATE:-2e-3}
 
 sweep() { python utils/depth_sweep.py --dtype float32 --no-compile "$@" "${PLAN[@]}"; }
-folder_of() {  # the report folder a sweep's flags name, as utils/study/cli.py names it
+folders_of() {  # a sweep's report and runs folders, as utils/study/cli.py resolves its flags
     python - "$@" <<'EOF'
 import sys
 from utils import depth_sweep
-print(depth_sweep.parse_args([*sys.argv[1:], "--dtype", "float32", "--no-compile", "--plan"]).out)
+args = depth_sweep.parse_args([*sys.argv[1:], "--dtype", "float32", "--no-compile", "--plan"])
+print(args.out)
+print(args.runs_dir)
 EOF
 }
-with_selection() {  # a sweep, then the selection loss of every finished run it holds
+with_selection() {  # a sweep, then the selection loss of every finished run of SELECT_ARMS (default all) it holds
     sweep "$@" || return
     ((${#PLAN[@]})) && return
-    local out runs
-    out=$(folder_of "$@") && runs=${out/\/docs\//\/runs\/}
-    python -m utils.study.rate_choice evaluate "$out" --runs_dir "$runs"
+    local folders
+    mapfile -t folders < <(folders_of "$@")
+    python -m utils.study.rate_choice evaluate "${folders[0]}" --runs_dir "${folders[1]}" \
+        ${SELECT_ARMS:+--arms $SELECT_ARMS}
 }
 
 grid_2400() {  # 4e-3 beat 2e-3 for both arms at L = 24 (seed 1), so 8e-3 comes before 2e-3 and 1e-3
@@ -62,9 +65,10 @@ wide_grid() {
     done
 }
 wide_2400() { sweep --budget wikipedia_2400_h128 --lr "$WIDE_RATE" --first_depths 24; }
-attnres_2400() {
+attnres_2400() {  # its grid lands beside older Pre-LN and LNS records: only its own runs get a selection loss
     for rate in 2e-3 4e-3 1e-3; do
-        with_selection --budget wikipedia_2400_attnres --lr "$rate" --depths 6 24 --seeds 1 --arms attnres || return
+        SELECT_ARMS=attnres with_selection --budget wikipedia_2400_attnres --lr "$rate" --depths 6 24 --seeds 1 \
+            --arms attnres || return
     done
     sweep --budget wikipedia_2400_attnres --lr "$ATTNRES_RATE" --arms attnres
 }

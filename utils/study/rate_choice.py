@@ -50,13 +50,15 @@ def selection_loss(checkpoint: Path, max_length: int) -> dict:
     return dict(first_row=FIRST_ROW, rows=ROWS, tokens=result["eval_tokens"], loss=result["eval_loss"])
 
 
-def evaluate_folder(folder: Path, runs_dir: Path) -> list[str]:
-    """Adds `selection` to every finished record of the folder that lacks it; returns what it did, a line a run.
-    SystemExit naming the run where its final checkpoint is gone."""
+def evaluate_folder(folder: Path, runs_dir: Path, arms: list[str] | None = None) -> list[str]:
+    """Adds `selection` to every finished record of the folder (of the norm types `arms`, default all) that lacks
+    it; returns what it did, a line a run. SystemExit naming the run where its final checkpoint is gone."""
     done = []
     for path in tqdm(record_store.paths_in(folder / "runs"), desc="selection text", unit="run"):
         record = record_store.read(path)
         name = record_store.name_of(path)
+        if arms and record_store.fields(record).norm not in arms:
+            continue
         if record.get("status") != "finished" or "selection" in record:
             done.append(f"{name}: {'kept' if 'selection' in record else 'not finished, skipped'}")
             continue
@@ -71,14 +73,20 @@ def evaluate_folder(folder: Path, runs_dir: Path) -> list[str]:
 
 
 def choose(folders: list[Path]) -> dict:
-    """{arm: {depth: {rates: {rate: mean selection loss}, best, at_edge, seeds}}} over the seeds every rate has."""
-    losses = {}
+    """{arm: {depth: {rates: {rate: mean selection loss}, best, at_edge, seeds}}} over the seeds every rate has.
+    ValueError, naming the file, for a record of another budget (beyond the rate, the arm and the seed)."""
+    losses, budget, first = {}, None, None
     for folder in folders:
         for path in record_store.paths_in(folder / "runs"):
             record = record_store.read(path)
             match = lr_grid.ARM.fullmatch(record.get("arm", ""))
             if match is None or "selection" not in record:
                 continue
+            if budget is None:
+                budget, first = lr_grid.budget_of(record), path
+            elif lr_grid.budget_of(record) != budget:
+                raise ValueError(f"{path}: trained or analysed unlike {first} (beyond the rate, the arm and the "
+                                 "seed): the folders are not one budget's grid")
             losses.setdefault(match[2], {}).setdefault(int(match[1]), {}).setdefault(
                 record_store.fields(record).rate, {})[record["seed"]] = record["selection"]["loss"]
     chosen = {}
@@ -120,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = commands.add_parser("evaluate", help="add the selection loss to a folder's finished records")
     evaluate.add_argument("folder", type=Path, help="a depth-sweep report folder (its runs/ holds the records)")
     evaluate.add_argument("--runs_dir", type=Path, required=True, help="where its runs' checkpoints are")
+    evaluate.add_argument("--arms", nargs="+", default=None,
+                          help="only these norm types' records (a rival's grid in a folder of older records)")
     report = commands.add_parser("report", help="the best rate per arm and depth over a budget's rate folders")
     report.add_argument("folders", nargs="+", type=Path)
     report.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -136,10 +146,10 @@ def main(argv=None) -> int:
             parser.error(f"{folder}: no runs/ folder of records")
     try:
         if args.command == "evaluate":
-            print("\n".join(evaluate_folder(args.folder, args.runs_dir)))
+            print("\n".join(evaluate_folder(args.folder, args.runs_dir, args.arms)))
             return 0
         chosen = choose(args.folders)
-    except record_store.UnreadableRecord as error:
+    except ValueError as error:  # an unreadable record, or folders of two budgets
         parser.error(str(error))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "rate_choice.md").write_text("\n".join(report_lines(chosen, argv)) + "\n")
