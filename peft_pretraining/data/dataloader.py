@@ -850,6 +850,7 @@ def iter_validation_row_batches(*, dataset: str, dataset_path: str | None, token
                                 dataset_config: str | None = None) -> Iterator[dict]:
     """Validation rows first_row .. first_row + rows - 1 in file order (the rows the eval set starts from), batched:
     text that an eval of fewer than first_row rows never reads (the studies choose learning rates on it)."""
+    _require_eos(tokenizer)
     source = _make_source(dataset=dataset, dataset_path=dataset_path, split="validation", seed=0, rank=0,
                           world_size=1, shuffle=False, dataset_config=dataset_config)
     selected = itertools.islice(_eval_rows(source, tokenizer, max_length, packing), first_row, first_row + rows)

@@ -65,12 +65,13 @@ def measure(config: Path, lanes: int, threads: int, compiled: bool, args, out: P
     dirs = [out / name / f"seed{seed}" for seed in range(1, lanes + 1)]
     procs = []
     for seed, save_dir in enumerate(dirs, start=1):
-        log = open(out / f"{name}_seed{seed}.log", "w")
-        procs.append(subprocess.Popen(trainer_command(config, seed, args.steps, compiled, save_dir, args.dataset),
-                                      env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
-    for proc in procs:
+        log = out / f"{name}_seed{seed}.log"
+        with open(log, "w") as handle:  # the child keeps its own copy of the descriptor
+            procs.append((subprocess.Popen(trainer_command(config, seed, args.steps, compiled, save_dir, args.dataset),
+                                           env=env, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO), log))
+    for proc, log in procs:
         if proc.wait() != 0:
-            sys.exit(f"benchmark_sweep_lanes: {name} failed ({proc.returncode}); see {out / (name + '_seed1.log')}")
+            sys.exit(f"benchmark_sweep_lanes: {name} failed ({proc.returncode}); see {log}")
     return sum(median_tokens_per_s(save_dir, args.warmup) for save_dir in dirs)
 
 

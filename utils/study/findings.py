@@ -29,9 +29,9 @@ def status(verdict: dict) -> str:
         verdict["status"], NOT_MEASURABLE)
 
 
-def clear_side(verdict: dict) -> int:
+def clear_side(verdict: dict | None) -> int:
     """+1 where the interval lies above zero, -1 below, 0 where it holds zero or there is none."""
-    if verdict.get("low") is None:
+    if not verdict or verdict.get("low") is None:
         return 0
     return 1 if verdict["low"] > 0 else -1 if verdict["high"] < 0 else 0
 
@@ -42,11 +42,14 @@ def number(value: float, digits: int = 2) -> str:
     return f"{value:+.{decimals}f}".replace("-", "−")
 
 
-def effect(verdict: dict, ratio: bool = False) -> str:
+def effect(verdict: dict | None, ratio: bool = False) -> str:
     """The one way an effect is printed: its mean and 95% interval, "−0.23 [−0.30, −0.16]"; a log ratio read as a
-    ratio, "×1.20 [1.18, 1.21]"."""
-    if verdict.get("effect") is None:
+    ratio, "×1.20 [1.18, 1.21]"; a mean without an interval (one seed) alone, marked so."""
+    if not verdict or verdict.get("effect") is None:
         return "not measurable"
+    if verdict.get("low") is None:
+        mean = f"×{math.exp(verdict['effect']):.2f}" if ratio else number(verdict["effect"])
+        return f"{mean} (one seed, no interval)"
     if ratio:
         mean, low, high = (math.exp(verdict[key]) for key in ("effect", "low", "high"))
         return f"×{mean:.2f} [{low:.2f}, {high:.2f}]"
@@ -59,9 +62,11 @@ def sign_test_p(agree: int, n: int) -> float:
     return min(1.0, 2 * sum(math.comb(n, k) for k in range(extreme, n + 1)) / 2 ** n)
 
 
-def seeds(verdict: dict, positive: str, negative: str) -> str:
+def seeds(verdict: dict | None, positive: str, negative: str) -> str:
     """"3 of 3 seeds <side>, sign test p = 0.25": the seeds on the mean's side (`positive` above zero, `negative`
     below), with the two-sided sign test's p."""
+    if not verdict or verdict.get("effect") is None:
+        return "no seeds to count"
     n = verdict["n_pairs"]
     agree = verdict["n_agree"] if verdict["effect"] * verdict["expected_direction"] > 0 else n - verdict["n_agree"]
     side = positive if verdict["effect"] > 0 else negative
@@ -127,25 +132,29 @@ def readme_findings(summaries, root: Path) -> str:
              f"{_pays(budget_map['budgets'][str(steps_long)]['depth_pays'])}, {lower(loss_long)} (L = {deep_long}: "
              f"{effect(loss_long)}).")
 
-    rows_short = {r["depth"]: r for r in worth["by_budget"][str(steps_short)] if r["geomean"] is not None}
-    rows_long = {r["depth"]: r for r in worth["by_budget"][str(steps_long)] if r["geomean"] is not None}
-    shallow, deep = min(rows_short), max(rows_short)
-    trend_short, trend_long = worth["trends"][str(steps_short)]["verdict"], worth["trends"][str(steps_long)]["verdict"]
+    rows_short = {r["depth"]: r for r in worth["by_budget"].get(str(steps_short), []) if r["geomean"] is not None}
+    rows_long = {r["depth"]: r for r in worth["by_budget"].get(str(steps_long), []) if r["geomean"] is not None}
+    trend_short, trend_long = (worth["trends"].get(str(u), {}).get("verdict") for u in (steps_short, steps_long))
 
     def saves(row: dict) -> str:
         return word(row["verdict"], "LNS saves compute", "Pre-LN is ahead", "no saving is shown")
 
-    def trend(v: dict) -> str:
+    def trend(v: dict | None) -> str:
         return word(v, "grows with depth", "shrinks with depth", "no trend with depth is shown")
 
-    compute = (f"**What is it worth in compute, and does that grow with depth?** At {steps_short:,} updates Pre-LN "
-               f"needs {effect(rows_short[deep]['verdict'], ratio=True)} of LNS's updates to reach its loss at "
-               f"L = {deep} ({saves(rows_short[deep])}) and {effect(rows_short[shallow]['verdict'], ratio=True)} at "
-               f"L = {shallow}: the multiplier {trend(trend_short)} (slope of its log against ln L "
-               f"{effect(trend_short)}, {seeds(trend_short, 'grow', 'shrink')}). At {steps_long:,} updates "
-               f"{saves(rows_long[max(rows_long)])} at L = {max(rows_long)} "
-               f"({effect(rows_long[max(rows_long)]['verdict'], ratio=True)}) and {trend(trend_long)} "
-               f"({effect(trend_long)}).")
+    question = "**What is it worth in compute, and does that grow with depth?**"
+    if rows_short and rows_long:
+        shallow, deep, longest_depth = min(rows_short), max(rows_short), max(rows_long)
+        compute = (f"{question} At {steps_short:,} updates Pre-LN needs "
+                   f"{effect(rows_short[deep]['verdict'], ratio=True)} of LNS's updates to reach its loss at "
+                   f"L = {deep} ({saves(rows_short[deep])}) and {effect(rows_short[shallow]['verdict'], ratio=True)} "
+                   f"at L = {shallow}: the multiplier {trend(trend_short)} (slope of its log against ln L "
+                   f"{effect(trend_short)}, {seeds(trend_short, 'grow', 'shrink')}). At {steps_long:,} updates "
+                   f"{saves(rows_long[longest_depth])} at L = {longest_depth} "
+                   f"({effect(rows_long[longest_depth]['verdict'], ratio=True)}) and {trend(trend_long)} "
+                   f"({effect(trend_long)}).")
+    else:
+        compute = f"{question} Not measurable yet: the multiplier's report has no cell at these budgets."
 
     identity = [cells[3][1] for _, cells in table.columns(summaries)]
     variance = [cells[1][1] for _, cells in table.columns(summaries)]

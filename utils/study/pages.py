@@ -18,7 +18,8 @@ from pathlib import Path
 from peft_pretraining.cli import OneLineErrorParser
 from utils.study import records as record_store
 from utils.study import registry
-from utils.study.findings import between, effect, number, replace_between, seeds, word, wrap
+from utils.study.budget_map import mean_interval
+from utils.study.findings import between, effect, replace_between, seeds, word, wrap
 from utils.study.host import cpu_of
 from utils.study.results_table import rate_text
 from utils.study.runs import REPO
@@ -71,24 +72,26 @@ def wikipedia_answer(s: Summaries) -> str:
     lines = []
     for updates, budget in budget_map["budgets"].items():
         depths = budget["depths"]
-        lead = budget["lead"][str(max(depths))]
-        values = list(lead.values())
+        spread = mean_interval(list(budget["lead"][str(max(depths))].values()))
+        lead = dict(effect=spread["mean"], low=spread["low"], high=spread["high"])
         slope = budget["slope"]
         rows = {r["depth"]: r for r in worth["by_budget"].get(updates, []) if r["geomean"] is not None}
-        trend = worth["trends"].get(updates, {}).get("verdict")
+        trend = worth["trends"].get(updates, {}).get("verdict") or {}
+        lead_words = word(lead, "LNS ahead", "Pre-LN ahead", "a difference not shown") if lead["low"] is not None \
+            else "one seed"
         text = (f"- **{int(updates):,} updates** ({budget['tokens'] / 1e6:.1f}M tokens, L = "
                 f"{', '.join(map(str, depths))}): {pays(budget['depth_pays'])}. LNS's lead over Pre-LN at "
-                f"L = {max(depths)} is {number(sum(values) / len(values))} nats (per seed "
-                f"{', '.join(number(v) for v in values)}); the lead "
+                f"L = {max(depths)} is {effect(lead)} nats ({lead_words}); the lead "
                 f"{word(slope, 'grows with depth', 'shrinks with depth', 'is not shown to change with depth')} "
-                f"(slope against ln L {effect(slope)}, {seeds(slope, 'grow', 'shrink')}).")
+                f"(slope against ln L {effect(slope)}"
+                + (f", {seeds(slope, 'grow', 'shrink')})." if slope.get("effect") is not None else ")."))
         if rows:
             deepest = max(rows)
+            measured = trend.get("effect") is not None
             text += (f" Pre-LN needs {effect(rows[deepest]['verdict'], ratio=True)} of LNS's updates to match it at "
                      f"L = {deepest}; the multiplier "
-                     + (word(trend, "grows with depth", "shrinks with depth", "is not shown to change with depth")
-                        if trend and trend.get("effect") is not None else "has no trend yet")
-                     + (f" ({effect(trend)})." if trend and trend.get("effect") is not None else "."))
+                     + (f"{word(trend, 'grows with depth', 'shrinks with depth', 'is not shown to change with depth')}"
+                        f" ({effect(trend)})." if measured else "has no trend yet."))
         lines.append(text)
     for pair in budget_map["interactions"]:
         v = pair["difference"]
@@ -112,7 +115,7 @@ def wikipedia_answer(s: Summaries) -> str:
         deepest = max(best, key=lambda b: b["depth"])
         v = deepest["verdict"]
         lower = word(v, "Pre-LN reaches the lower loss", "LNS reaches the lower loss", "a difference is not shown")
-        lines.append(f"- **Each arm at its own best rate** ({budget_map['best_rate_updates']:,} updates, one seed, "
+        lines.append(f"- **Each arm at its own best rate** ({budget_map['best_rate_updates']:,} updates, "
                      f"rates chosen on the eval text): at L = {deepest['depth']} Pre-LN at {deepest['rate_pre']:g} "
                      f"and LNS at {deepest['rate_lns']:g}, {lower} ({effect(v)} {over(v)}).")
     return "\n".join(lines)
@@ -138,7 +141,7 @@ def wikipedia_setup(s: Summaries) -> str:
         f"- **Budgets:** {budgets} updates of {longest['batch_size']} × {longest['max_length']} tokens, each a "
         f"finished run: warmup 10% of it, cosine to 10% of the peak.",
         f"- **Rate:** lr {rate_text(budget_map['rate'])} for both arms, Adam, no weight decay, clipping 1.0; a "
-        f"one-seed grid beside the longest budget ({', '.join(budget_map['grid_folders'])}).",
+        f"grid of other rates, at fewer seeds, beside the longest budget ({', '.join(budget_map['grid_folders'])}).",
         f"- **Seeds:** {', '.join(map(str, longest['seeds']))}, paired across arms; intervals are Student-t over "
         "seeds.",
         f"- **Hosts and precision:** {hosts(folders, REPO)}.",
