@@ -42,7 +42,7 @@ def test_the_best_rate_is_the_lowest_mean_selection_loss_over_shared_seeds(tmp_p
     assert chosen["pre"][24]["seeds"] == [1, 2]
     assert rate_choice.main(["report", *map(str, folders), "--out", str(tmp_path / "out")]) == 0
     page = (tmp_path / "out" / "rate_choice.md").read_text()
-    assert "| lns | 24 | 1, 2 |" in page and "4e-3" not in page and "0.004 (edge of the grid)" in page
+    assert "| lns | 24 | 1, 2 |" in page and "| lr 4e-3 |" in page and "4e-3 (edge of the grid)" in page
 
 
 def test_evaluate_keeps_a_measured_record_and_names_a_missing_checkpoint(tmp_path):

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from peft_pretraining.cli import OneLineErrorParser
 from utils.study import lr_grid
 from utils.study import records as record_store
+from utils.study.results_table import rate_text
 from utils.study.runs import REPO
 
 FIRST_ROW, ROWS = 5_120, 1_024
@@ -109,13 +110,13 @@ def report_lines(chosen: dict, argv: list[str]) -> list[str]:
              f"checkpoint's loss on Wikipedia validation rows {FIRST_ROW:,}–{FIRST_ROW + ROWS - 1:,} (the eval "
              "set and the analyses read the first rows only). Mean over the seeds every rate has; the best is bold, "
              "and a best at the edge of the rates tried is marked: the optimum may lie beyond the grid.", "",
-             "| arm | L | seeds | " + " | ".join(f"lr {r:g}" for r in rates) + " | best |",
+             "| arm | L | seeds | " + " | ".join(f"lr {rate_text(r)}" for r in rates) + " | best |",
              "|---|---|---|" + "---|" * (len(rates) + 1)]
     for arm, by_depth in chosen.items():
         for depth, c in by_depth.items():
             cells = [("—" if r not in c["rates"] else
                       (f"**{c['rates'][r]:.4f}**" if r == c["best"] else f"{c['rates'][r]:.4f}")) for r in rates]
-            best = f"{c['best']:g}" + (" (edge of the grid)" if c["at_edge"] else " (bracketed)")
+            best = rate_text(c["best"]) + (" (edge of the grid)" if c["at_edge"] else " (bracketed)")
             lines.append(f"| {arm} | {depth} | {', '.join(map(str, c['seeds']))} | " + " | ".join(cells)
                          + f" | {best} |")
     return lines

@@ -113,6 +113,12 @@ STUDIES = (
           "docs/compute_multiplier/multiplier.md", BUDGET_MAP, derived=True),
     Study("wikipedia_2400_lr4e-3", "python utils/depth_sweep.py --budget wikipedia_2400 --dtype float32 --no-compile "
           "--lr 4e-3 --depths 6 24 --seeds 1", "docs/depth_sweep_wikipedia_2400_lr0.004/report.md", MULTIPLIER),
+    Study("wikipedia_2400_lr8e-3", "python utils/depth_sweep.py --budget wikipedia_2400 --dtype float32 --no-compile "
+          "--lr 8e-3 --depths 6 24 --seeds 1", "docs/depth_sweep_wikipedia_2400_lr0.008/report.md", MULTIPLIER),
+    Study("wikipedia_2400_rate_choice", "python -m utils.study.rate_choice report "
+          "docs/depth_sweep_wikipedia_2400_lr0.004 docs/depth_sweep_wikipedia_2400_lr0.008",
+          "docs/depth_sweep_wikipedia_2400_rate_choice/rate_choice.md",
+          MULTIPLIER, derived=True),
     Study("depth_sweep_avx2", "python utils/depth_sweep.py --dtype float32 --no-compile --out docs/depth_sweep_avx2",
           "docs/depth_sweep_avx2/report.md", SECOND_HOST),
     Study("depth_sweep_replication", "python -m utils.study.replicate docs/depth_sweep docs/depth_sweep_avx2",
