@@ -456,7 +456,8 @@ def write_report(args, records, skipped, started, argv, probe: dict | None = Non
     dynamics = {}
     for depth in (depths[0], depths[-1]):
         arms = {f"L{depth}-{n}": f"{label}, L={depth}" for n, label in NORMS.items()}
-        dynamics[depth] = plots.plot_dynamics(records, arms, out / f"dynamics_L{depth}{suffix}.png")
+        if any(record.get("arm") in arms for record in records.values()):  # a depth not yet trained: no empty figure
+            dynamics[depth] = plots.plot_dynamics(records, arms, out / f"dynamics_L{depth}{suffix}.png")
     text = f"""# Depth sweep: Pre-LN against LNS at L = {', '.join(map(str, depths))}
 
 {frame.opening}
