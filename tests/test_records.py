@@ -76,9 +76,11 @@ def tracked_files() -> list:
     return [runs.REPO / name for name in listed.decode().split("\0") if name and (runs.REPO / name).is_file()]
 
 
-def test_the_repository_tracks_at_most_20_mb_and_no_figure_over_160_kb():
+def test_the_repository_tracks_at_most_22_mb_and_no_figure_over_160_kb():
+    """Issue 65's cap was 20 MB; issue 79's compute-multiplier runs (their records and rate-grid reports) need more,
+    so it is 22 MB until the session note's decision on figures for grid reports."""
     files = tracked_files()
-    assert sum(path.stat().st_size for path in files) <= 20e6
+    assert sum(path.stat().st_size for path in files) <= 22e6
     assert [path for path in files if path.suffix == ".png" and path.stat().st_size > 160_000] == []
     assert [path for path in files if path.parent.name == "runs" and path.name.endswith(".json")] == []
 

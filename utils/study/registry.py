@@ -115,8 +115,12 @@ STUDIES = (
           "--lr 4e-3 --depths 6 24 --seeds 1", "docs/depth_sweep_wikipedia_2400_lr0.004/report.md", MULTIPLIER),
     Study("wikipedia_2400_lr8e-3", "python utils/depth_sweep.py --budget wikipedia_2400 --dtype float32 --no-compile "
           "--lr 8e-3 --depths 6 24 --seeds 1", "docs/depth_sweep_wikipedia_2400_lr0.008/report.md", MULTIPLIER),
-    # 2e-3 trained again at seed 1 (its committed checkpoints were gone): records only, read here for their
-    # selection losses; the verdicts keep reading the committed 2e-3 records
+    # 2e-3 trained again at seed 1 on an AVX2 host (the committed runs' checkpoints were gone), for its selection
+    # losses; the verdicts keep reading the committed 2e-3 records
+    Study("wikipedia_2400_lr2e-3_avx2", "python utils/depth_sweep.py --budget wikipedia_2400 --dtype float32 "
+          "--no-compile --lr 2e-3 --depths 6 24 --seeds 1 --out docs/depth_sweep_wikipedia_2400_lr0.002_avx2 "
+          "--runs_dir runs/depth_sweep_wikipedia_2400_lr0.002_avx2",
+          "docs/depth_sweep_wikipedia_2400_lr0.002_avx2/report.md", MULTIPLIER),
     Study("wikipedia_2400_rate_choice", "python -m utils.study.rate_choice report "
           "docs/depth_sweep_wikipedia_2400_lr0.002_avx2 docs/depth_sweep_wikipedia_2400_lr0.004 "
           "docs/depth_sweep_wikipedia_2400_lr0.008",
