@@ -111,6 +111,8 @@ STUDIES = (
     Study("compute_multiplier", "python -m utils.study.multiplier docs/depth_sweep_wikipedia_2400_lr0.002 "
           "docs/depth_sweep_wikipedia_5000_lr0.002 docs/depth_sweep_wikipedia_lr0.002",
           "docs/compute_multiplier/multiplier.md", BUDGET_MAP, derived=True),
+    Study("wikipedia_2400_lr1e-3", "python utils/depth_sweep.py --budget wikipedia_2400 --dtype float32 --no-compile "
+          "--lr 1e-3 --depths 6 24 --seeds 1", "docs/depth_sweep_wikipedia_2400/report.md", MULTIPLIER),
     Study("wikipedia_2400_lr4e-3", "python utils/depth_sweep.py --budget wikipedia_2400 --dtype float32 --no-compile "
           "--lr 4e-3 --depths 6 24 --seeds 1", "docs/depth_sweep_wikipedia_2400_lr0.004/report.md", MULTIPLIER),
     Study("wikipedia_2400_lr8e-3", "python utils/depth_sweep.py --budget wikipedia_2400 --dtype float32 --no-compile "
@@ -121,7 +123,7 @@ STUDIES = (
           "--no-compile --lr 2e-3 --depths 6 24 --seeds 1 --out docs/depth_sweep_wikipedia_2400_lr0.002_avx2 "
           "--runs_dir runs/depth_sweep_wikipedia_2400_lr0.002_avx2",
           "docs/depth_sweep_wikipedia_2400_lr0.002_avx2/report.md", MULTIPLIER),
-    Study("wikipedia_2400_rate_choice", "python -m utils.study.rate_choice report "
+    Study("wikipedia_2400_rate_choice", "python -m utils.study.rate_choice report docs/depth_sweep_wikipedia_2400 "
           "docs/depth_sweep_wikipedia_2400_lr0.002_avx2 docs/depth_sweep_wikipedia_2400_lr0.004 "
           "docs/depth_sweep_wikipedia_2400_lr0.008",
           "docs/depth_sweep_wikipedia_2400_rate_choice/rate_choice.md",
