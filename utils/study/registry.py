@@ -108,8 +108,11 @@ STUDIES = (
           "--grid docs/depth_sweep_wikipedia docs/depth_sweep_wikipedia_lr0.004 docs/depth_sweep_wikipedia_lr0.008",
           "docs/depth_sweep_wikipedia_budget_map/budget_map.md", BUDGET_MAP,
           derived=True),
-    Study("compute_multiplier", "python -m utils.study.multiplier docs/depth_sweep_wikipedia_2400_lr0.002 "
-          "docs/depth_sweep_wikipedia_5000_lr0.002 docs/depth_sweep_wikipedia_lr0.002",
+    Study("wikipedia_1200", "python utils/depth_sweep.py --budget wikipedia_1200 --dtype float32 --no-compile "
+          "--lr 2e-3", "docs/depth_sweep_wikipedia_1200_lr0.002/report.md", BUDGET_MAP),
+    Study("compute_multiplier", "python -m utils.study.multiplier docs/depth_sweep_wikipedia_1200_lr0.002 "
+          "docs/depth_sweep_wikipedia_2400_lr0.002 docs/depth_sweep_wikipedia_5000_lr0.002 "
+          "docs/depth_sweep_wikipedia_lr0.002",
           "docs/compute_multiplier/multiplier.md", BUDGET_MAP, derived=True),
     Study("wikipedia_2400_lr1e-3", "python utils/depth_sweep.py --budget wikipedia_2400 --dtype float32 --no-compile "
           "--lr 1e-3 --depths 6 24 --seeds 1", "docs/depth_sweep_wikipedia_2400/report.md", MULTIPLIER),
