@@ -18,6 +18,7 @@ from pathlib import Path
 from utils.study import records as record_store
 from utils.study import verdicts
 from utils.study.host import cpu_of
+from utils.study.sweep import NORMS
 
 REPRODUCED, OPPOSITE, NOT_SHOWN, NOT_MEASURABLE = "reproduced", "opposite", "not shown", "not measurable"
 START, END = "<!-- findings:start -->", "<!-- findings:end -->"
@@ -92,9 +93,8 @@ def _pays(slopes: dict) -> str:
     """Where depth pays: the arms whose eval loss falls with depth beyond noise ({arm: slope verdict vs ln L})."""
     falls = [arm for arm, v in slopes.items() if clear_side(v) == -1]
     rises = [arm for arm, v in slopes.items() if clear_side(v) == 1]
-    names = {"pre": "Pre-LN", "lns": "LNS"}
     if falls:
-        return f"depth pays for {' and '.join(names[a] for a in falls)}"
+        return f"depth pays for {' and '.join(NORMS[a] for a in falls)}"
     if len(rises) == len(slopes):
         return "adding layers raises both arms' loss"
     return "depth is not shown to pay for either arm"

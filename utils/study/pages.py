@@ -23,8 +23,8 @@ from utils.study.findings import between, effect, replace_between, seeds, word, 
 from utils.study.host import cpu_of
 from utils.study.results_table import rate_text
 from utils.study.runs import REPO
+from utils.study.sweep import NORMS
 
-NAMES = {"pre": "Pre-LN", "lns": "LNS"}
 BLOCKS = ("answer", "setup", "rebuild")
 
 
@@ -45,7 +45,7 @@ def pays(slopes: dict) -> str:
     parts = []
     for arm, v in slopes.items():
         verb = word(v, "adding layers raises its loss", "depth pays", "depth is not shown to pay")
-        parts.append(f"for {NAMES[arm]} {verb} ({effect(v)})")
+        parts.append(f"for {NORMS[arm]} {verb} ({effect(v)})")
     return "; ".join(parts)
 
 
